@@ -1,0 +1,37 @@
+"""aiooutbox: a durable transactional outbox and work queue on one PostgreSQL table.
+
+Producers call `enqueue` on the connection that writes their business data, so the event
+commits with it; an `OutboxConsumer` claims events in batches, runs async handlers and
+settles each row as done, retry or dead.
+"""
+
+from ._version import __version__
+from .consumer import ConsumerStats, OutboxConsumer
+from .errors import Dead, InvalidArgument, OutboxError, Retry, SchemaNotReady, SchemaTooNew
+from .events import Event, NewEvent
+from .handlers import Handler, Router
+from .migrations import check_schema, migrate, migration_sql
+from .producer import enqueue, enqueue_many
+from .retry import RetryPolicy
+
+__all__ = [
+    "ConsumerStats",
+    "Dead",
+    "Event",
+    "Handler",
+    "InvalidArgument",
+    "NewEvent",
+    "OutboxConsumer",
+    "OutboxError",
+    "Retry",
+    "RetryPolicy",
+    "Router",
+    "SchemaNotReady",
+    "SchemaTooNew",
+    "__version__",
+    "check_schema",
+    "enqueue",
+    "enqueue_many",
+    "migrate",
+    "migration_sql",
+]

@@ -1,0 +1,47 @@
+"""JSON encoding for payloads and headers: strict by default, pluggable, orjson-aware."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from .errors import InvalidArgument
+
+__all__ = ["Decoder", "Encoder", "decode_json", "encode_json"]
+
+Encoder = Callable[[Any], "str | bytes"]
+Decoder = Callable[["str | bytes"], Any]
+
+
+def _stdlib_dumps(value: Any) -> str:
+    # NaN and Infinity are not JSON; PostgreSQL's jsonb would reject them anyway.
+    return json.dumps(value, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+
+
+def _pick_loads() -> Decoder:
+    try:
+        import orjson  # optional speed-up: pip install 'aiooutbox[speedups]'
+    except ImportError:
+        return json.loads
+    loads: Decoder = orjson.loads
+    return loads
+
+
+decode_json: Decoder = _pick_loads()
+
+
+def encode_json(value: Any, what: str, encoder: Encoder | None = None) -> str:
+    """Serialise ``value`` to JSON text, raising `InvalidArgument`/`TypeError` on failure."""
+    try:
+        text = (encoder or _stdlib_dumps)(value)
+    except (TypeError, ValueError, OverflowError) as exc:
+        cls = TypeError if isinstance(exc, TypeError) else InvalidArgument
+        raise cls(f"{what} is not JSON-serialisable: {exc}") from exc
+    if isinstance(text, bytes):
+        text = text.decode()
+    if not isinstance(text, str):
+        raise TypeError(f"the JSON encoder returned {type(text).__name__}, expected str or bytes")
+    if "\x00" in text or "\\u0000" in text:
+        raise InvalidArgument(f"{what} contains a NUL character, which jsonb cannot store")
+    return text

@@ -1,0 +1,330 @@
+"""Every SQL statement aiooutbox runs, named, for one (schema, table) outbox.
+
+Identifiers are validated to ``[a-z_][a-z0-9_]*`` and always double-quoted; values are
+always bind parameters. Payloads and headers travel as ``text`` and are cast in SQL, so
+a JSON codec the application installed on its pool cannot double-encode them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .errors import InvalidArgument
+
+__all__ = ["DEFAULT_SCHEMA", "DEFAULT_TABLE", "Queries", "queries", "validate_identifier"]
+
+DEFAULT_SCHEMA = "public"
+DEFAULT_TABLE = "outbox_events"
+
+_IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]*\Z")
+_MAX_SCHEMA = 63
+# derived names such as "<table>_claimable_idx" must stay within PostgreSQL's 63 bytes
+_MAX_TABLE = 40
+
+
+def validate_identifier(kind: str, name: object, max_length: int = _MAX_SCHEMA) -> str:
+    """Return ``name`` if it is a safe lower-case SQL identifier, else raise `InvalidArgument`."""
+    if not isinstance(name, str):
+        raise TypeError(f"{kind} name must be a str, not {type(name).__name__}")
+    if not name or len(name) > max_length or not _IDENTIFIER.match(name):
+        shown = name if len(name) <= 80 else name[:77] + "..."
+        raise InvalidArgument(
+            f"invalid {kind} name {shown!r}: use 1-{max_length} characters of lower-case "
+            "letters, digits and underscores, not starting with a digit"
+        )
+    if name.startswith("pg_"):
+        raise InvalidArgument(f"invalid {kind} name {name!r}: the pg_ prefix is reserved")
+    return name
+
+
+def _channel(schema: str, table: str) -> str:
+    name = f"aiooutbox_{schema}_{table}"
+    if len(name) <= 63:
+        return name
+    digest = hashlib.sha1(name.encode()).hexdigest()[:12]
+    return f"aiooutbox_{digest}"
+
+
+@lru_cache(maxsize=64)
+def queries(schema: str = DEFAULT_SCHEMA, table: str = DEFAULT_TABLE) -> Queries:
+    """The validated, cached statement set for one outbox."""
+    return Queries(
+        validate_identifier("schema", schema), validate_identifier("table", table, _MAX_TABLE)
+    )
+
+
+@dataclass(frozen=True)
+class Queries:
+    schema: str
+    table: str
+
+    # -- names ---------------------------------------------------------------------
+    @property
+    def qualified(self) -> str:
+        return f'"{self.schema}"."{self.table}"'
+
+    @property
+    def idle_table(self) -> str:
+        return f'"{self.schema}"."{self.table}_idle"'
+
+    @property
+    def versions_table(self) -> str:
+        return f'"{self.schema}"."{self.table}_migrations"'
+
+    @property
+    def status_type(self) -> str:
+        return f'"{self.schema}"."{self.table}_status"'
+
+    @property
+    def channel(self) -> str:
+        return _channel(self.schema, self.table)
+
+    def render(self, template: str) -> str:
+        """Fill a migration file's placeholders with this outbox's names."""
+        return (
+            template.replace("{{schema}}", self.schema)
+            .replace("{{table}}", self.table)
+            .replace("{{channel}}", self.channel)
+        )
+
+    # -- migrations ----------------------------------------------------------------
+    @property
+    def create_schema(self) -> str:
+        return f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"'
+
+    @property
+    def create_versions_table(self) -> str:
+        return (
+            f"CREATE TABLE IF NOT EXISTS {self.versions_table} ("
+            " version INT PRIMARY KEY, name TEXT NOT NULL,"
+            " applied_at TIMESTAMPTZ NOT NULL DEFAULT now())"
+        )
+
+    @property
+    def versions_table_exists(self) -> str:
+        return "SELECT to_regclass($1) IS NOT NULL"
+
+    @property
+    def applied_versions(self) -> str:
+        return f"SELECT version FROM {self.versions_table} ORDER BY version"
+
+    @property
+    def record_version(self) -> str:
+        return f"INSERT INTO {self.versions_table} (version, name) VALUES ($1, $2)"
+
+    @property
+    def advisory_lock(self) -> str:
+        return "SELECT pg_advisory_lock(hashtextextended($1, 0))"
+
+    @property
+    def advisory_unlock(self) -> str:
+        return "SELECT pg_advisory_unlock(hashtextextended($1, 0))"
+
+    # -- producer ------------------------------------------------------------------
+    @property
+    def insert_one(self) -> str:
+        # $1 topic, $2 payload json, $3 dedupe_key, $4 headers json, $5 max_attempts,
+        # $6 available_at (absolute) or NULL, $7 delay seconds
+        return (
+            f"INSERT INTO {self.qualified}"
+            " (topic, payload, dedupe_key, headers, max_attempts, available_at)"
+            " VALUES ($1, $2::text::jsonb, $3, $4::text::jsonb, $5,"
+            " COALESCE($6::timestamptz, now() + make_interval(secs => $7::float8)))"
+            " ON CONFLICT (dedupe_key) DO NOTHING RETURNING id"
+        )
+
+    @property
+    def insert_many(self) -> str:
+        return (
+            f"INSERT INTO {self.qualified}"
+            " (topic, payload, dedupe_key, headers, max_attempts, available_at)"
+            " SELECT u.topic, u.payload::jsonb, u.dedupe_key, u.headers::jsonb, u.max_attempts,"
+            " COALESCE(u.available_at, now() + make_interval(secs => u.delay))"
+            " FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int[],"
+            " $6::timestamptz[], $7::float8[])"
+            " WITH ORDINALITY AS u(topic, payload, dedupe_key, headers, max_attempts,"
+            " available_at, delay, ord)"
+            " ORDER BY u.ord"
+            " ON CONFLICT (dedupe_key) DO NOTHING RETURNING id, dedupe_key"
+        )
+
+    # -- consumer ------------------------------------------------------------------
+    @property
+    def claim(self) -> str:
+        # $1 worker id, $2 lease seconds, $3 topics, $4 limit
+        return (
+            f"UPDATE {self.qualified} AS e SET status = 'processing',"
+            " attempts = e.attempts + 1, locked_by = $1, locked_at = now(),"
+            " lease_expires_at = now() + make_interval(secs => $2::float8), updated_at = now()"
+            " WHERE e.id = ANY (ARRAY("
+            f"  SELECT c.id FROM {self.qualified} AS c"
+            "   WHERE c.status IN ('pending', 'retry') AND c.available_at <= now()"
+            "   AND c.topic = ANY ($3::text[])"
+            "   ORDER BY c.available_at, c.id LIMIT $4 FOR UPDATE SKIP LOCKED))"
+            " RETURNING e.id, e.topic, e.payload::text, e.dedupe_key, e.headers::text,"
+            " e.attempts, e.max_attempts, e.created_at"
+        )
+
+    @property
+    def settle_done(self) -> str:
+        # fenced: only the claim this worker holds, on the attempt it claimed
+        # $1 ids, $2 worker id, $3 attempts
+        return (
+            f"UPDATE {self.qualified} SET status = 'done', lease_expires_at = NULL,"
+            " finished_at = now(), updated_at = now()"
+            " WHERE id = ANY ($1::bigint[]) AND status = 'processing'"
+            " AND locked_by = $2 AND attempts = $3"
+        )
+
+    @property
+    def settle_failed(self) -> str:
+        # $1 ids, $2 delays (s), $3 errors, $4 force dead, $5 worker id, $6 attempts
+        dead = "(u.force_dead OR e.attempts >= e.max_attempts)"
+        return (
+            f"UPDATE {self.qualified} AS e SET"
+            f" status = CASE WHEN {dead} THEN 'dead' ELSE 'retry' END::{self.status_type},"
+            f" available_at = CASE WHEN {dead} THEN e.available_at"
+            " ELSE now() + make_interval(secs => u.delay) END,"
+            f" finished_at = CASE WHEN {dead} THEN now() END,"
+            " last_error = u.error, lease_expires_at = NULL, updated_at = now()"
+            " FROM unnest($1::bigint[], $2::float8[], $3::text[], $4::bool[])"
+            " AS u(id, delay, error, force_dead)"
+            " WHERE e.id = u.id AND e.id = ANY ($1::bigint[]) AND e.status = 'processing'"
+            " AND e.locked_by = $5 AND e.attempts = $6"
+        )
+
+    @property
+    def extend_leases(self) -> str:
+        # $1 ids, $2 worker id, $3 lease seconds
+        return (
+            f"UPDATE {self.qualified}"
+            " SET lease_expires_at = now() + make_interval(secs => $3::float8)"
+            " WHERE id = ANY ($1::bigint[]) AND status = 'processing' AND locked_by = $2"
+            " RETURNING id"
+        )
+
+    @property
+    def recover_expired(self) -> str:
+        # $1 batch limit
+        dead = "e.attempts >= e.max_attempts"
+        return (
+            f"UPDATE {self.qualified} AS e SET"
+            f" status = CASE WHEN {dead} THEN 'dead' ELSE 'retry' END::{self.status_type},"
+            " available_at = now(),"
+            f" finished_at = CASE WHEN {dead} THEN now() END,"
+            " last_error = 'lease expired: worker ' || coalesce(e.locked_by, '?')"
+            " || ' stopped renewing it during attempt ' || e.attempts,"
+            " lease_expires_at = NULL, updated_at = now()"
+            " WHERE e.id = ANY (ARRAY("
+            f"  SELECT c.id FROM {self.qualified} AS c"
+            "   WHERE c.status = 'processing' AND c.lease_expires_at < now()"
+            "   ORDER BY c.lease_expires_at LIMIT $1 FOR UPDATE SKIP LOCKED))"
+            " RETURNING e.id, e.topic, e.status::text, e.locked_by"
+        )
+
+    @property
+    def next_available(self) -> str:
+        # seconds until the earliest claimable row for these topics becomes due
+        return (
+            "SELECT extract(epoch FROM (min(available_at) - now()))::float8"
+            f" FROM {self.qualified}"
+            " WHERE status IN ('pending', 'retry') AND topic = ANY ($1::text[])"
+        )
+
+    @property
+    def declare_idle(self) -> str:
+        return (
+            f"INSERT INTO {self.idle_table} (worker_id, topics, expires_at)"
+            " VALUES ($1, $2::text[], now() + make_interval(secs => $3::float8))"
+            " ON CONFLICT (worker_id) DO UPDATE"
+            " SET topics = excluded.topics, expires_at = excluded.expires_at"
+        )
+
+    @property
+    def declare_busy(self) -> str:
+        return f"DELETE FROM {self.idle_table} WHERE worker_id = $1"
+
+    @property
+    def purge_expired_idle(self) -> str:
+        return f"DELETE FROM {self.idle_table} WHERE expires_at < now() - interval '1 minute'"
+
+    @property
+    def purge_done(self) -> str:
+        # $1 age seconds, $2 batch size
+        return (
+            f"DELETE FROM {self.qualified} WHERE id = ANY (ARRAY("
+            f" SELECT id FROM {self.qualified}"
+            "  WHERE status = 'done' AND finished_at < now() - make_interval(secs => $1::float8)"
+            "  ORDER BY finished_at LIMIT $2))"
+        )
+
+    @property
+    def notify(self) -> str:
+        return "SELECT pg_notify($1, t) FROM unnest($2::text[]) AS t"
+
+    # -- operator ------------------------------------------------------------------
+    @property
+    def stats_by_topic(self) -> str:
+        return (
+            f"SELECT topic, status::text, count(*) FROM {self.qualified}"
+            " GROUP BY topic, status ORDER BY topic, status"
+        )
+
+    @property
+    def oldest_claimable(self) -> str:
+        return (
+            "SELECT topic, extract(epoch FROM (now() - min(available_at)))::float8"
+            f" FROM {self.qualified}"
+            " WHERE status IN ('pending', 'retry') AND available_at <= now() GROUP BY topic"
+        )
+
+    @property
+    def in_flight_by_worker(self) -> str:
+        return (
+            f"SELECT locked_by, count(*), min(locked_at) FROM {self.qualified}"
+            " WHERE status = 'processing' GROUP BY locked_by ORDER BY locked_by"
+        )
+
+    @property
+    def dead_list(self) -> str:
+        # $1 topic or NULL, $2 limit
+        return (
+            "SELECT id, topic, dedupe_key, attempts, max_attempts, last_error,"
+            " created_at, finished_at, payload::text"
+            f" FROM {self.qualified} WHERE status = 'dead'"
+            " AND ($1::text IS NULL OR topic = $1) ORDER BY id LIMIT $2"
+        )
+
+    @property
+    def dead_retry(self) -> str:
+        # $1 ids or NULL, $2 topic or NULL; attempts reset, back to pending now
+        return (
+            f"UPDATE {self.qualified} SET status = 'pending', attempts = 0,"
+            " available_at = now(), locked_by = NULL, locked_at = NULL, finished_at = NULL,"
+            " updated_at = now()"
+            " WHERE status = 'dead' AND ($1::bigint[] IS NULL OR id = ANY ($1::bigint[]))"
+            " AND ($2::text IS NULL OR topic = $2) RETURNING topic"
+        )
+
+    @property
+    def dead_purge(self) -> str:
+        return (
+            f"DELETE FROM {self.qualified}"
+            " WHERE status = 'dead' AND ($1::bigint[] IS NULL OR id = ANY ($1::bigint[]))"
+            " AND ($2::text IS NULL OR topic = $2)"
+            " AND ($3::float8 IS NULL OR finished_at < now() - make_interval(secs => $3))"
+        )
+
+    @property
+    def purge_status(self) -> str:
+        # $1 status, $2 age seconds, $3 batch size (callers loop until fewer are deleted)
+        return (
+            f"DELETE FROM {self.qualified} WHERE id = ANY (ARRAY("
+            f" SELECT id FROM {self.qualified}"
+            f"  WHERE status = $1::text::{self.status_type}"
+            "  AND coalesce(finished_at, updated_at) < now() - make_interval(secs => $2::float8)"
+            "  LIMIT $3))"
+        )

@@ -1,0 +1,725 @@
+"""`OutboxConsumer`: claim, run, settle, recover.
+
+One dispatch loop claims rows with a single statement sized to the free handler slots,
+a fixed set of worker tasks runs the handlers, a `Settler` writes outcomes in batches,
+and background loops keep leases alive, recover expired ones and purge old rows. Every
+task is owned by `run()`, which returns after `stop()` once in-flight work is settled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import random
+import socket
+import sys
+import time
+import traceback
+import uuid
+from collections.abc import Awaitable, Collection, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import anyio
+import asyncpg
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from ._codec import Decoder, decode_json
+from ._db import TRANSIENT_ERRORS, pool_is_closed
+from ._listener import Listener
+from ._settler import Failure, Settler
+from ._sql import DEFAULT_SCHEMA, DEFAULT_TABLE, queries
+from .errors import Dead, InvalidArgument, OutboxError, Retry
+from .events import Event
+from .handlers import Handler, resolve_handlers
+from .migrations import check_schema
+from .retry import RetryPolicy
+
+__all__ = ["ConsumerStats", "OutboxConsumer"]
+
+logger = logging.getLogger("aiooutbox.consumer")
+
+_MAX_ERROR = 4000
+# After an empty claim, look again after these pauses before declaring idle, so that
+# under steady load a consumer never waits on NOTIFY (and producers never pay for it).
+_LINGER = (0.002, 0.004, 0.008, 0.016, 0.032)
+
+
+@dataclass
+class ConsumerStats:
+    """Counters since the consumer started; cheap to read at any time."""
+
+    claimed: int = 0
+    done: int = 0
+    retried: int = 0
+    dead: int = 0
+    released: int = 0
+    in_flight: int = 0
+    claims: int = 0
+    recovered: int = 0
+
+
+def _seconds(name: str, value: object, *, minimum: float = 0.0) -> float:
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds or a timedelta, not {value!r}")
+    if not math.isfinite(value) or value < minimum:
+        raise InvalidArgument(f"{name} must be a finite number >= {minimum}, got {value!r}")
+    return float(value)
+
+
+def _optional_seconds(name: str, value: object, *, minimum: float) -> float | None:
+    return None if value is None else _seconds(name, value, minimum=minimum)
+
+
+def _count(name: str, value: object, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, not {value!r}")
+    if not low <= value <= high:
+        raise InvalidArgument(f"{name} must be between {low} and {high}, got {value}")
+    return value
+
+
+def _sole(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """Unwrap a task group's error when it holds exactly one, for a readable traceback."""
+    while isinstance(group, BaseExceptionGroup) and len(group.exceptions) == 1:
+        group = group.exceptions[0]  # type: ignore[assignment,unused-ignore]
+    error: BaseException = group
+    return error
+
+
+def _describe(exc: BaseException) -> str:
+    text = f"{type(exc).__qualname__}: {exc}"
+    trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-8))
+    return (text + "\n" + trace[-(_MAX_ERROR - len(text) - 1) :])[:_MAX_ERROR]
+
+
+class OutboxConsumer:
+    """Runs async handlers for the events of one outbox table.
+
+    ``async with OutboxConsumer(pool) as consumer: await consumer.run(handlers)``
+
+    Defaults and the risk each carries:
+
+    - ``concurrency=64``: handlers running at once, and the most rows this consumer holds.
+      Higher drains faster but holds more leases if the process dies.
+    - ``batch_size=None`` (= concurrency): the most rows one claim takes.
+    - ``poll_interval=5.0``: fallback poll (jittered ±20%) when no notification arrives;
+      it bounds the delay of a missed wake-up and of delayed events' start.
+    - ``lease_timeout=30.0``: a row held longer without a heartbeat is recovered by any
+      consumer. Leases are extended every third of it while handlers run, so it only
+      needs to exceed the time a crashed or frozen worker may take to be noticed.
+    - ``shutdown_grace=10.0``: on stop, running handlers get this long to finish; the
+      rest are cancelled and released (the attempt still counts).
+    - ``retry=RetryPolicy()``: backoff after an exception (1 s doubling, capped at 1 h,
+      full jitter); a per-topic `Handler(retry=...)` overrides it.
+    - ``handler_timeout=None``: no limit; a timeout counts as a failure.
+    - ``retention=7 days``: ``done`` rows older than this are purged in batches of 1000;
+      ``None`` keeps them forever (the table then grows without bound).
+    - ``listen=True``: wake on LISTEN/NOTIFY through a dedicated connection; set
+      ``False`` behind PgBouncer in transaction mode (poll only), or pass ``listen_dsn``
+      to listen directly on the server.
+    - ``statement_timeout=10.0``: client-side limit on every statement we run, so a
+      stalled network or lock never hangs the consumer.
+    """
+
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        *,
+        concurrency: int = 64,
+        batch_size: int | None = None,
+        topics: Collection[str] | None = None,
+        poll_interval: float | timedelta = 5.0,
+        lease_timeout: float | timedelta = 30.0,
+        shutdown_grace: float | timedelta = 10.0,
+        retry: RetryPolicy | None = None,
+        handler_timeout: float | timedelta | None = None,
+        worker_id: str | None = None,
+        schema: str = DEFAULT_SCHEMA,
+        table: str = DEFAULT_TABLE,
+        listen: bool = True,
+        listen_dsn: str | None = None,
+        retention: float | timedelta | None = timedelta(days=7),
+        statement_timeout: float | timedelta = 10.0,
+        decoder: Decoder | None = None,
+    ) -> None:
+        if not isinstance(pool, asyncpg.Pool):
+            raise TypeError(
+                f"OutboxConsumer needs an asyncpg.Pool (asyncpg.create_pool(...)), "
+                f"not {type(pool).__name__}"
+            )
+        self._pool = pool
+        self._q = queries(schema, table)
+        self._concurrency = _count("concurrency", concurrency, 1, 100_000)
+        self._batch_size = (
+            self._concurrency
+            if batch_size is None
+            else _count("batch_size", batch_size, 1, self._concurrency)
+        )
+        if topics is not None and (isinstance(topics, str) or not isinstance(topics, Collection)):
+            raise TypeError("topics must be a collection of topic names, not a single string")
+        self._topic_filter = None if topics is None else frozenset(topics)
+        self._poll_interval = _seconds("poll_interval", poll_interval, minimum=0.01)
+        self._lease_timeout = _seconds("lease_timeout", lease_timeout, minimum=1.0)
+        self._shutdown_grace = _seconds("shutdown_grace", shutdown_grace)
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise TypeError(f"retry must be an aiooutbox.RetryPolicy, not {retry!r}")
+        self._retry = retry or RetryPolicy()
+        self._handler_timeout = _optional_seconds("handler_timeout", handler_timeout, minimum=0.001)
+        if worker_id is not None and (not isinstance(worker_id, str) or not worker_id.strip()):
+            raise InvalidArgument("worker_id must be a non-empty string")
+        self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._listen = bool(listen)
+        self._listen_dsn = listen_dsn
+        self._retention = _optional_seconds("retention", retention, minimum=1.0)
+        self._timeout = _seconds("statement_timeout", statement_timeout, minimum=0.1)
+        self._decode = decoder or decode_json
+
+        self.stats = ConsumerStats()
+        self._state = "new"
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_requests = 0
+        self._stopping = False
+        self._hurry = False
+        self._fatal: BaseException | None = None
+        self._handlers: dict[str, Handler] = {}
+        self._topics: list[str] = []
+        self._held: dict[int, tuple[int, float]] = {}  # id -> (attempts, lease extended at)
+        self._wake = asyncio.Event()
+        self._slot_freed = asyncio.Event()
+        self._stop_event = asyncio.Event()
+        self._settled_all = asyncio.Event()
+        self._workers_scope: anyio.CancelScope | None = None
+        self._settler: Settler | None = None
+        self._listener: Listener | None = None
+
+    # -- lifecycle -----------------------------------------------------------------
+    async def __aenter__(self) -> OutboxConsumer:
+        if self._state != "new":
+            raise RuntimeError(f"cannot enter an OutboxConsumer that is {self._state}")
+        await check_schema(self._pool, schema=self._q.schema, table=self._q.table)
+        self._state = "entered"
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._state == "running":
+            self.stop()
+            with anyio.CancelScope(shield=True):
+                await self._settled_all.wait()
+        self._state = "closed"
+
+    @property
+    def running(self) -> bool:
+        return self._state == "running"
+
+    @property
+    def listening(self) -> bool:
+        """True while the LISTEN connection is up."""
+        return self._listener is not None and self._listener.connected
+
+    def stop(self) -> None:
+        """Ask `run()` to return: stop claiming, let handlers finish, settle, close.
+
+        Synchronous and safe from a signal handler or another thread. A second call
+        stops fast: running handlers are cancelled and their rows released at once.
+        """
+        self._stop_requests += 1
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            self._stopping = True
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            self._request_stop()
+        else:
+            loop.call_soon_threadsafe(self._request_stop)
+
+    def _request_stop(self) -> None:
+        if not self._stopping:
+            logger.info("stop requested; no new claims", extra={"worker_id": self.worker_id})
+        self._stopping = True
+        if self._stop_requests > 1 and not self._hurry:
+            logger.warning("second stop request: cancelling running handlers now")
+            self._hurry = True
+        self._stop_event.set()
+        self._wake.set()
+        self._slot_freed.set()
+        if self._hurry and self._workers_scope is not None:
+            self._workers_scope.cancel()
+
+    async def run(self, handlers: Mapping[str, Any]) -> None:
+        """Consume until `stop()`; return once in-flight events are settled.
+
+        ``handlers`` maps topics to ``async def handler(event)`` (or `Handler`/`Router`).
+        Only topics with a handler are claimed. Raises on a fatal error (the listener
+        cannot connect at start, the pool was closed, a handler raised ``SystemExit``).
+        Cancelling the task running ``run()`` stops gracefully; cancelling it again
+        stops fast.
+        """
+        resolved = resolve_handlers(handlers)
+        if self._topic_filter is not None:
+            unknown = sorted(self._topic_filter - resolved.keys())
+            if unknown:
+                raise InvalidArgument(f"topics {unknown} have no handler")
+            resolved = {t: h for t, h in resolved.items() if t in self._topic_filter}
+        if self._state == "running":
+            raise RuntimeError("this OutboxConsumer is already running")
+        if self._state == "closed":
+            raise RuntimeError("cannot run an OutboxConsumer again once it has stopped")
+        if self._state == "new":
+            await check_schema(self._pool, schema=self._q.schema, table=self._q.table)
+        self._handlers = resolved
+        self._topics = sorted(resolved)
+        self._loop = asyncio.get_running_loop()
+        self._state = "running"
+        if self._stopping:  # stop() before run(): nothing to do
+            self._request_stop()
+        engine = asyncio.ensure_future(self._engine())
+        cancelled = False
+        try:
+            while not engine.done():
+                try:
+                    with anyio.CancelScope(shield=cancelled):
+                        await asyncio.shield(engine)
+                except asyncio.CancelledError:
+                    if engine.done() and engine.cancelled():
+                        raise
+                    cancelled = True
+                    self.stop()
+        finally:
+            self._state = "closed"
+            self._settled_all.set()
+        if cancelled:
+            raise asyncio.CancelledError
+        try:
+            engine.result()
+        except BaseExceptionGroup as group:
+            raise _sole(group) from None
+        if self._fatal is not None:
+            raise self._fatal
+
+    # -- the engine ------------------------------------------------------------------
+    async def _engine(self) -> None:
+        settler = self._settler = Settler(
+            self._pool,
+            self._q,
+            self.worker_id,
+            flush_interval=0.005,
+            flush_size=max(64, self._concurrency),
+            statement_timeout=self._timeout,
+        )
+        send, receive = anyio.create_memory_object_stream[Event](self._concurrency)
+        logger.info(
+            "consumer %s starting: topics=%s concurrency=%d",
+            self.worker_id,
+            self._topics,
+            self._concurrency,
+            extra={"worker_id": self.worker_id, "topics": self._topics},
+        )
+        async with anyio.create_task_group() as services:
+            if self._listen:
+                self._listener = Listener(
+                    self._pool,
+                    self._q.channel,
+                    self._topics,
+                    self._wake.set,
+                    dsn=self._listen_dsn,
+                    keepalive=max(self._poll_interval, 5.0),
+                    timeout=self._timeout,
+                )
+                await services.start(self._listener.run)
+            services.start_soon(settler.run)
+            services.start_soon(self._heartbeat_loop)
+            services.start_soon(self._maintenance_loop)
+            try:
+                async with anyio.create_task_group() as workers:
+                    self._workers_scope = workers.cancel_scope
+                    if self._hurry:
+                        workers.cancel_scope.cancel()
+                    for _ in range(self._concurrency):
+                        workers.start_soon(self._worker, receive.clone())
+                    receive.close()
+                    try:
+                        await self._dispatch(send)
+                    finally:
+                        send.close()
+                    await self._drain()
+                    workers.cancel_scope.cancel()
+            finally:
+                await settler.close(timeout=max(self._timeout, 5.0))
+                with anyio.CancelScope(shield=True):
+                    await self._forget_idle()
+                services.cancel_scope.cancel()
+        logger.info(
+            "consumer %s stopped: %s",
+            self.worker_id,
+            self.stats,
+            extra={"worker_id": self.worker_id},
+        )
+
+    async def _drain(self) -> None:
+        """Give running handlers up to ``shutdown_grace`` to finish."""
+        if self.stats.in_flight == 0 or self._hurry:
+            return
+        logger.info(
+            "waiting up to %.1fs for %d running handler(s)",
+            self._shutdown_grace,
+            self.stats.in_flight,
+        )
+        with anyio.move_on_after(self._shutdown_grace):
+            while self.stats.in_flight > 0 and not self._hurry:
+                self._slot_freed.clear()
+                await self._slot_freed.wait()
+        if self.stats.in_flight:
+            logger.warning(
+                "cancelling %d handler(s) still running; their events are released",
+                self.stats.in_flight,
+            )
+
+    async def _dispatch(self, send: MemoryObjectSendStream[Event]) -> None:
+        backoff = 0.05
+        linger = 0
+        idle = False
+        full = False
+        settler = self._settler
+        assert settler is not None
+        refill = max(1, self._batch_size // 4)
+        while not self._stopping:
+            free = self._concurrency - self.stats.in_flight
+            want = min(free, self._batch_size)
+            if settler.backlog > 4 * self._concurrency:
+                await self._wait_for(settler.wait_flushed(), self._poll_interval)
+                continue
+            if want <= 0 or (full and want < refill):
+                # a backlog is waiting: claim again as soon as enough slots free
+                self._slot_freed.clear()
+                await self._slot_freed.wait()
+                continue
+            self._wake.clear()
+            try:
+                rows = await self._claim(want)
+            except TRANSIENT_ERRORS as exc:
+                if pool_is_closed(self._pool):
+                    raise OutboxError(
+                        "the asyncpg pool was closed under a running consumer"
+                    ) from exc
+                logger.warning(
+                    "claim failed (%s: %s); retrying in %.2fs", type(exc).__name__, exc, backoff
+                )
+                await self._wait_for(self._stop_event.wait(), backoff * (0.5 + random.random()))
+                backoff = min(backoff * 2, 5.0)
+                continue
+            backoff = 0.05
+            if rows:
+                if idle:
+                    idle = False
+                    await self._declare(busy=True)
+                self._hand_out(rows, send)
+            full = len(rows) == want
+            if full:
+                linger = 0
+                continue
+            if rows:
+                linger = 0
+            if linger < len(_LINGER):
+                await self._wait_for(self._wake.wait(), _LINGER[linger])
+                linger += 1
+                continue
+            if self._listen and not idle and self.listening:
+                # advertise, then look once more: an insert that committed before the
+                # advertisement saw no idle consumer and sent no notification
+                idle = await self._declare(busy=False)
+                if idle:
+                    continue
+            await self._wait_for(self._wake.wait(), await self._idle_timeout())
+            if idle and not self._wake.is_set():
+                idle = await self._declare(busy=False)  # refresh before it expires
+
+    async def _claim(self, want: int) -> list[Any]:
+        async with self._pool.acquire(timeout=self._timeout) as conn:
+            rows: list[Any] = await conn.fetch(
+                self._q.claim,
+                self.worker_id,
+                self._lease_timeout,
+                self._topics,
+                want,
+                timeout=self._timeout,
+            )
+        self.stats.claims += 1
+        return rows
+
+    def _hand_out(self, rows: list[Any], send: MemoryObjectSendStream[Event]) -> None:
+        now = time.monotonic()
+        self.stats.claimed += len(rows)
+        for row in rows:
+            event_id, topic, payload, dedupe_key, headers, attempts, max_attempts, created = row
+            self.stats.in_flight += 1
+            self._held[event_id] = (attempts, now)
+            try:
+                decoded = self._decode(payload)
+                header_map = decode_json(headers) if headers != "{}" else {}
+            except Exception as exc:
+                self._record_failure(event_id, topic, attempts, max_attempts, exc)
+                self._finished(event_id)
+                continue
+            send.send_nowait(
+                Event(
+                    event_id,
+                    topic,
+                    decoded,
+                    dedupe_key,
+                    header_map,
+                    attempts,
+                    max_attempts,
+                    created,
+                )
+            )
+
+    async def _idle_timeout(self) -> float:
+        """Jittered poll interval, shortened to when the next delayed event becomes due."""
+        timeout = self._poll_interval * random.uniform(0.8, 1.2)
+        try:
+            due: float | None = await self._pool.fetchval(
+                self._q.next_available, self._topics, timeout=self._timeout
+            )
+        except TRANSIENT_ERRORS:
+            return timeout
+        if due is not None:
+            timeout = min(timeout, max(due, 0.0) + 0.001)
+        return timeout
+
+    async def _declare(self, *, busy: bool) -> bool:
+        """Advertise this consumer as idle (or withdraw it); return whether it is idle."""
+        try:
+            if busy:
+                await self._pool.execute(
+                    self._q.declare_busy, self.worker_id, timeout=self._timeout
+                )
+                return False
+            await self._pool.execute(
+                self._q.declare_idle,
+                self.worker_id,
+                self._topics,
+                self._poll_interval * 2 + 5.0,
+                timeout=self._timeout,
+            )
+            return True
+        except TRANSIENT_ERRORS as exc:
+            logger.debug("idle advertisement failed: %s", exc)
+            return busy
+
+    async def _forget_idle(self) -> None:
+        if self._listen:
+            await self._declare(busy=True)
+
+    @staticmethod
+    async def _wait_for(awaitable: Awaitable[Any], timeout: float) -> None:
+        with anyio.move_on_after(timeout):
+            await awaitable
+
+    # -- running handlers ------------------------------------------------------------
+    async def _worker(self, receive: MemoryObjectReceiveStream[Event]) -> None:
+        async with receive:
+            async for event in receive:
+                await self._execute(event)
+
+    async def _execute(self, event: Event) -> None:
+        extra = {"event_id": event.id, "topic": event.topic, "attempt": event.attempts}
+        try:
+            if self._stopping:
+                self._release(event)
+                return
+            handler = self._handlers[event.topic]
+            timeout = handler.timeout if handler.timeout is not None else self._handler_timeout
+            try:
+                if timeout is None:
+                    await handler.func(event)
+                else:
+                    with anyio.fail_after(timeout):
+                        await handler.func(event)
+            except Retry as exc:
+                self._record_failure(
+                    event.id, event.topic, event.attempts, event.max_attempts, exc, delay=exc.delay
+                )
+            except Dead as exc:
+                self._record_failure(
+                    event.id, event.topic, event.attempts, event.max_attempts, exc, dead=True
+                )
+            except anyio.get_cancelled_exc_class() as exc:
+                if self._workers_scope is not None and self._workers_scope.cancel_called:
+                    self._release(event)
+                    raise
+                # the handler raised CancelledError on its own: a failure like any other
+                self._record_failure(
+                    event.id, event.topic, event.attempts, event.max_attempts, exc, handler=handler
+                )
+            except Exception as exc:
+                self._record_failure(
+                    event.id, event.topic, event.attempts, event.max_attempts, exc, handler=handler
+                )
+            except BaseException as exc:
+                # SystemExit, KeyboardInterrupt and friends: settle this event, then stop
+                # the consumer gracefully and re-raise from run()
+                self._record_failure(
+                    event.id, event.topic, event.attempts, event.max_attempts, exc, handler=handler
+                )
+                logger.error("handler raised %r; stopping the consumer", exc, extra=extra)
+                if self._fatal is None:
+                    self._fatal = exc
+                self.stop()
+            else:
+                assert self._settler is not None
+                self._settler.done(event.id, event.attempts)
+                self.stats.done += 1
+        finally:
+            self._finished(event.id)
+
+    def _finished(self, event_id: int) -> None:
+        self._held.pop(event_id, None)
+        self.stats.in_flight -= 1
+        self._slot_freed.set()
+
+    def _release(self, event: Event) -> None:
+        assert self._settler is not None
+        self.stats.released += 1
+        self._settler.failed(
+            Failure(
+                event.id,
+                event.attempts,
+                0.0,
+                "released: the consumer stopped before the handler finished",
+                False,
+            )
+        )
+
+    def _fail(self, event: Event, exc: BaseException, **options: Any) -> None:
+        self._record_failure(
+            event.id, event.topic, event.attempts, event.max_attempts, exc, **options
+        )
+
+    def _record_failure(
+        self,
+        event_id: int,
+        topic: str,
+        attempts: int,
+        max_attempts: int,
+        exc: BaseException,
+        *,
+        dead: bool = False,
+        delay: float | None = None,
+        handler: Handler | None = None,
+    ) -> None:
+        assert self._settler is not None
+        if delay is None:
+            policy = (handler.retry if handler is not None else None) or self._retry
+            delay = policy.delay(attempts)
+        if dead or attempts >= max_attempts:
+            self.stats.dead += 1
+        else:
+            self.stats.retried += 1
+        extra = {"event_id": event_id, "topic": topic, "attempt": attempts}
+        if isinstance(exc, (Retry, Dead)):
+            error = f"{type(exc).__name__}: {exc.reason}"
+            logger.info("event %d: %s", event_id, error, extra=extra)
+        else:
+            error = _describe(exc)
+            logger.warning(
+                "event %d (%s) attempt %d failed: %s: %s",
+                event_id,
+                topic,
+                attempts,
+                type(exc).__name__,
+                exc,
+                extra=extra,
+            )
+        self._settler.failed(Failure(event_id, attempts, delay, error, dead))
+
+    # -- background loops ----------------------------------------------------------
+    async def _heartbeat_loop(self) -> None:
+        """Extend the leases of handlers that run longer than a third of the lease."""
+        interval = self._lease_timeout / 3
+        while True:
+            await anyio.sleep(interval * random.uniform(0.8, 1.0))
+            now = time.monotonic()
+            due = [i for i, (_, extended) in self._held.items() if now - extended >= interval]
+            if not due:
+                continue
+            try:
+                kept = await self._pool.fetch(
+                    self._q.extend_leases,
+                    due,
+                    self.worker_id,
+                    self._lease_timeout,
+                    timeout=self._timeout,
+                )
+            except TRANSIENT_ERRORS as exc:
+                logger.warning("lease heartbeat failed (%s: %s)", type(exc).__name__, exc)
+                continue
+            alive = {r[0] for r in kept}
+            for event_id in due:
+                held = self._held.get(event_id)
+                if held is None:
+                    continue
+                if event_id in alive:
+                    self._held[event_id] = (held[0], now)
+                else:
+                    logger.warning(
+                        "event %d: lease lost while its handler runs; its outcome will be ignored",
+                        event_id,
+                        extra={"event_id": event_id},
+                    )
+                    self._held[event_id] = (held[0], math.inf)
+
+    async def _maintenance_loop(self) -> None:
+        """Recover expired leases; purge old ``done`` rows and stale idle adverts."""
+        interval = min(self._lease_timeout / 2, 10.0)
+        next_purge = 0.0
+        while True:
+            try:
+                recovered = await self._recover()
+                if recovered:
+                    self._wake.set()
+                if self._retention is not None and time.monotonic() >= next_purge:
+                    next_purge = time.monotonic() + 60.0
+                    await self._purge()
+            except TRANSIENT_ERRORS as exc:
+                logger.warning("maintenance failed (%s: %s)", type(exc).__name__, exc)
+            await anyio.sleep(interval * random.uniform(0.8, 1.2))
+
+    async def _recover(self) -> int:
+        total = 0
+        while True:
+            rows = await self._pool.fetch(self._q.recover_expired, 1000, timeout=self._timeout)
+            for event_id, topic, status, worker in rows:
+                logger.warning(
+                    "event %d (%s): lease of %s expired; now %s",
+                    event_id,
+                    topic,
+                    worker,
+                    status,
+                    extra={"event_id": event_id, "topic": topic},
+                )
+            total += len(rows)
+            self.stats.recovered += len(rows)
+            if len(rows) < 1000:
+                return total
+
+    async def _purge(self) -> None:
+        for _ in range(50):  # at most 50k rows per round, so one round stays short
+            status = await self._pool.execute(
+                self._q.purge_done, self._retention, 1000, timeout=self._timeout
+            )
+            if int(status.rsplit(" ", 1)[-1]) < 1000:
+                break
+        await self._pool.execute(self._q.purge_expired_idle, timeout=self._timeout)

@@ -1,0 +1,46 @@
+"""The two event shapes users touch: `NewEvent` going in, `Event` coming out."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+__all__ = ["Event", "NewEvent"]
+
+
+@dataclass(frozen=True, slots=True)
+class NewEvent:
+    """An event to enqueue with `enqueue_many`; the fields mirror `enqueue`'s arguments."""
+
+    topic: str
+    payload: Any
+    dedupe_key: str | None = None
+    delay: float | timedelta | None = None
+    available_at: datetime | None = None
+    max_attempts: int | None = None
+    headers: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """A claimed event as a handler sees it.
+
+    ``attempts`` counts this attempt too, so the first delivery has ``attempts == 1``
+    and the last one allowed has ``attempts == max_attempts``.
+    """
+
+    id: int
+    topic: str
+    payload: Any
+    dedupe_key: str | None
+    headers: dict[str, Any] = field(default_factory=dict)
+    attempts: int = 1
+    max_attempts: int = 5
+    created_at: datetime | None = None
+
+    @property
+    def is_last_attempt(self) -> bool:
+        """True when a failure now sends the event to ``dead``."""
+        return self.attempts >= self.max_attempts

@@ -1,0 +1,120 @@
+"""Handler registration: a plain mapping, or a `Router` with per-topic options."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from .errors import InvalidArgument
+from .events import Event
+from .producer import MAX_TOPIC_LENGTH
+from .retry import RetryPolicy
+
+__all__ = ["Handler", "HandlerFunc", "Router", "resolve_handlers"]
+
+HandlerFunc = Callable[[Event], Awaitable[Any]]
+F = TypeVar("F", bound=HandlerFunc)
+
+
+@dataclass(frozen=True)
+class Handler:
+    """A handler with per-topic options; `None` means "use the consumer's default"."""
+
+    func: HandlerFunc
+    retry: RetryPolicy | None = None
+    timeout: float | None = None
+
+
+class Router(Mapping[str, Handler]):
+    """Collects handlers with a decorator::
+
+    router = aiooutbox.Router()
+
+    @router.handler("orders.created", timeout=10)
+    async def send_confirmation(event: aiooutbox.Event) -> None: ...
+    """
+
+    def __init__(self) -> None:
+        self._handlers: dict[str, Handler] = {}
+
+    def handler(
+        self, topic: str, *, retry: RetryPolicy | None = None, timeout: float | None = None
+    ) -> Callable[[F], F]:
+        def register(func: F) -> F:
+            self.add(topic, func, retry=retry, timeout=timeout)
+            return func
+
+        return register
+
+    def add(
+        self,
+        topic: str,
+        func: HandlerFunc,
+        *,
+        retry: RetryPolicy | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        _check_topic(topic)
+        if topic in self._handlers:
+            raise InvalidArgument(f"topic {topic!r} already has a handler")
+        self._handlers[topic] = _check_handler(topic, Handler(func, retry, timeout))
+
+    def __getitem__(self, topic: str) -> Handler:
+        return self._handlers[topic]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._handlers)
+
+    def __len__(self) -> int:
+        return len(self._handlers)
+
+
+def _is_async_callable(func: object) -> bool:
+    while hasattr(func, "func") and not inspect.isfunction(func):  # functools.partial
+        func = func.func
+    if inspect.iscoroutinefunction(func):
+        return True
+    call = getattr(func, "__call__", None)  # noqa: B004 - async __call__ on instances
+    return inspect.iscoroutinefunction(call)
+
+
+def _check_topic(topic: object) -> None:
+    if not isinstance(topic, str):
+        raise TypeError(f"handler topics must be str, got {topic!r}")
+    if not topic.strip() or len(topic) > MAX_TOPIC_LENGTH:
+        raise InvalidArgument(f"handler topic must be 1-{MAX_TOPIC_LENGTH} characters: {topic!r}")
+
+
+def _check_handler(topic: str, handler: Handler) -> Handler:
+    if not callable(handler.func) or not _is_async_callable(handler.func):
+        raise TypeError(
+            f"the handler for {topic!r} must be an async function "
+            f"(async def handler(event) -> None), got {handler.func!r}"
+        )
+    if handler.retry is not None and not isinstance(handler.retry, RetryPolicy):
+        raise TypeError(f"retry for {topic!r} must be a RetryPolicy, got {handler.retry!r}")
+    if handler.timeout is not None:
+        if isinstance(handler.timeout, bool) or not isinstance(handler.timeout, (int, float)):
+            raise TypeError(f"timeout for {topic!r} must be seconds, got {handler.timeout!r}")
+        if not 0 < handler.timeout < float("inf"):
+            raise InvalidArgument(f"timeout for {topic!r} must be > 0, got {handler.timeout!r}")
+    return handler
+
+
+def resolve_handlers(handlers: object) -> dict[str, Handler]:
+    """Validate a mapping of topic to async function or `Handler`; raise on misuse."""
+    if not isinstance(handlers, Mapping):
+        raise TypeError(
+            "handlers must be a mapping of topic to async handler (or an aiooutbox.Router), "
+            f"not {type(handlers).__name__}"
+        )
+    if not handlers:
+        raise InvalidArgument("handlers is empty: register at least one topic")
+    resolved: dict[str, Handler] = {}
+    for topic, value in handlers.items():
+        _check_topic(topic)
+        handler = value if isinstance(value, Handler) else Handler(value)
+        resolved[topic] = _check_handler(topic, handler)
+    return resolved
