@@ -41,7 +41,8 @@ def validate_identifier(kind: str, name: object, max_length: int = _MAX_SCHEMA) 
 
 
 def _channel(schema: str, table: str) -> str:
-    name = f"aiooutbox_{schema}_{table}"
+    # "." cannot occur in a validated identifier, so ("a_b", "c") and ("a", "b_c") differ
+    name = f"aiooutbox.{schema}.{table}"
     if len(name) <= 63:
         return name
     digest = hashlib.sha1(name.encode()).hexdigest()[:12]
@@ -283,10 +284,27 @@ class Queries:
 
     @property
     def in_flight_by_worker(self) -> str:
+        # worker, rows held, seconds since its oldest claim
         return (
-            f"SELECT locked_by, count(*), min(locked_at) FROM {self.qualified}"
+            "SELECT locked_by, count(*),"
+            " extract(epoch FROM (now() - min(locked_at)))::float8"
+            f" FROM {self.qualified}"
             " WHERE status = 'processing' GROUP BY locked_by ORDER BY locked_by"
         )
+
+    @property
+    def attempts_by_topic(self) -> str:
+        # topic, events, done, dead, attempts made (a full scan: for small tables and demos)
+        return (
+            "SELECT topic, count(*), count(*) FILTER (WHERE status = 'done'),"
+            " count(*) FILTER (WHERE status = 'dead'), coalesce(sum(attempts), 0)::bigint"
+            f" FROM {self.qualified} GROUP BY topic ORDER BY topic"
+        )
+
+    @property
+    def reset_demo(self) -> str:
+        # only ever run by `aiooutbox demo` on its own table
+        return f"TRUNCATE {self.qualified} RESTART IDENTITY"
 
     @property
     def dead_list(self) -> str:
@@ -315,7 +333,8 @@ class Queries:
             f"DELETE FROM {self.qualified}"
             " WHERE status = 'dead' AND ($1::bigint[] IS NULL OR id = ANY ($1::bigint[]))"
             " AND ($2::text IS NULL OR topic = $2)"
-            " AND ($3::float8 IS NULL OR finished_at < now() - make_interval(secs => $3))"
+            " AND ($3::float8 IS NULL"
+            "  OR coalesce(finished_at, updated_at) < now() - make_interval(secs => $3))"
         )
 
     @property
@@ -328,3 +347,12 @@ class Queries:
             "  AND coalesce(finished_at, updated_at) < now() - make_interval(secs => $2::float8)"
             "  LIMIT $3))"
         )
+
+    # server-wide, for bootstrapping the embedded server's database
+    @property
+    def database_exists(self) -> str:
+        return "SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)"
+
+    @staticmethod
+    def create_database(name: str) -> str:
+        return f'CREATE DATABASE "{validate_identifier("database", name)}"'

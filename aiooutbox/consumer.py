@@ -197,6 +197,7 @@ class OutboxConsumer:
         self._slot_freed = asyncio.Event()
         self._stop_event = asyncio.Event()
         self._settled_all = asyncio.Event()
+        self._started = asyncio.Event()
         self._workers_scope: anyio.CancelScope | None = None
         self._settler: Settler | None = None
         self._listener: Listener | None = None
@@ -224,6 +225,14 @@ class OutboxConsumer:
     def listening(self) -> bool:
         """True while the LISTEN connection is up."""
         return self._listener is not None and self._listener.connected
+
+    async def wait_started(self) -> None:
+        """Wait until `run()` is consuming: schema checked, LISTEN connection up.
+
+        If `run()` fails before that, this keeps waiting and the task running `run()` is
+        the one that raises: wait on both, as `aiooutbox.integrations.background` does.
+        """
+        await self._started.wait()
 
     def stop(self) -> None:
         """Ask `run()` to return: stop claiming, let handlers finish, settle, close.
@@ -291,7 +300,8 @@ class OutboxConsumer:
             while not engine.done():
                 try:
                     with anyio.CancelScope(shield=cancelled):
-                        await asyncio.shield(engine)
+                        # wait() never cancels the engine: a cancelled run() stops it gracefully
+                        await asyncio.wait({engine})
                 except asyncio.CancelledError:
                     if engine.done() and engine.cancelled():
                         raise
@@ -319,7 +329,6 @@ class OutboxConsumer:
             flush_size=max(64, self._concurrency),
             statement_timeout=self._timeout,
         )
-        send, receive = anyio.create_memory_object_stream[Event](self._concurrency)
         logger.info(
             "consumer %s starting: topics=%s concurrency=%d",
             self.worker_id,
@@ -339,9 +348,11 @@ class OutboxConsumer:
                     timeout=self._timeout,
                 )
                 await services.start(self._listener.run)
+            self._started.set()
             services.start_soon(settler.run)
             services.start_soon(self._heartbeat_loop)
             services.start_soon(self._maintenance_loop)
+            send, receive = anyio.create_memory_object_stream[Event](self._concurrency)
             try:
                 async with anyio.create_task_group() as workers:
                     self._workers_scope = workers.cancel_scope
@@ -357,6 +368,8 @@ class OutboxConsumer:
                     await self._drain()
                     workers.cancel_scope.cancel()
             finally:
+                send.close()
+                receive.close()
                 await settler.close(timeout=max(self._timeout, 5.0))
                 with anyio.CancelScope(shield=True):
                     await self._forget_idle()

@@ -40,9 +40,12 @@ CREATE UNIQUE INDEX "{{table}}_dedupe_key_idx" ON "{{schema}}"."{{table}}" (dedu
 CREATE INDEX "{{table}}_claimable_idx" ON "{{schema}}"."{{table}}" (available_at, id)
     WHERE status IN ('pending', 'retry');
 
--- lease recovery finds expired leases without scanning history
+-- Lease recovery finds expired leases without scanning history. Only rows being
+-- processed have a lease. The predicate deliberately avoids `status`: a settle statement
+-- (`... AND status = 'processing'`) must never be planned through this index, whose dead
+-- entries grow with every settled row until vacuum; it goes through the primary key.
 CREATE INDEX "{{table}}_lease_idx" ON "{{schema}}"."{{table}}" (lease_expires_at)
-    WHERE status = 'processing';
+    WHERE lease_expires_at IS NOT NULL;
 
 -- retention purges old finished rows in bounded batches
 CREATE INDEX "{{table}}_finished_idx" ON "{{schema}}"."{{table}}" (finished_at)
@@ -67,8 +70,8 @@ BEGIN
     END IF;
     FOR woken IN
         SELECT d.topic
-        FROM (SELECT DISTINCT n.topic FROM new_rows n
-              WHERE n.status IN ('pending', 'retry') AND n.available_at <= now()) AS d
+        -- delayed rows notify too: the woken consumer then sleeps until they are due
+        FROM (SELECT DISTINCT n.topic FROM new_rows n WHERE n.status IN ('pending', 'retry')) AS d
         WHERE EXISTS (SELECT 1 FROM "{{schema}}"."{{table}}_idle" i
                       WHERE i.expires_at > now() AND d.topic = ANY (i.topics))
     LOOP

@@ -1,0 +1,53 @@
+"""Small test helpers: run a consumer in the background, wait on database conditions."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
+
+import asyncpg
+
+import aiooutbox
+
+
+@contextlib.asynccontextmanager
+async def running(
+    consumer: aiooutbox.OutboxConsumer, handlers: Mapping[str, Any]
+) -> AsyncIterator[asyncio.Task[None]]:
+    """Run ``consumer`` in a task for the block; stop it and re-raise its errors after."""
+    task = asyncio.ensure_future(consumer.run(handlers))
+    try:
+        yield task
+    finally:
+        consumer.stop()
+        await asyncio.wait_for(task, timeout=60)
+
+
+async def wait_until(
+    condition: Callable[[], Awaitable[bool]], timeout: float = 30.0, interval: float = 0.02
+) -> float:
+    """Poll ``condition`` until true; return the seconds it took, fail after ``timeout``."""
+    start = time.monotonic()
+    while True:
+        if await condition():
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"condition not met within {timeout}s")
+        await asyncio.sleep(interval)
+
+
+async def status_counts(db: asyncpg.Pool | asyncpg.Connection) -> dict[str, int]:
+    rows = await db.fetch("SELECT status::text, count(*) FROM outbox_events GROUP BY 1")
+    return {r[0]: r[1] for r in rows}
+
+
+def all_in(
+    db: asyncpg.Pool | asyncpg.Connection, status: str, total: int
+) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return (await status_counts(db)).get(status, 0) == total
+
+    return check

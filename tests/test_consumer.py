@@ -1,0 +1,567 @@
+"""OutboxConsumer against a real PostgreSQL: delivery, retries, leases, wake-up, stop."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from datetime import timedelta
+
+import asyncpg
+import pytest
+
+import aiooutbox
+from aiooutbox._sql import queries
+from tests.helpers import all_in, running, status_counts, wait_until
+
+FAST_RETRY = aiooutbox.RetryPolicy(base=0.05, factor=2.0, max_delay=0.2)
+
+
+async def _invocations_table(pool: asyncpg.Pool) -> None:
+    await pool.execute(
+        "CREATE TABLE invocations (event_id BIGINT, attempt INT, worker TEXT,"
+        " PRIMARY KEY (event_id, attempt))"
+    )
+
+
+async def test_several_consumers_handle_each_event_exactly_once(pool: asyncpg.Pool) -> None:
+    total = 3000
+    await _invocations_table(pool)
+    await aiooutbox.enqueue_many(pool, [aiooutbox.NewEvent("jobs", {"n": i}) for i in range(total)])
+    concurrency = 16
+    peaks: list[int] = []
+
+    def make_handler(name: str, counter: dict[str, int]) -> aiooutbox.HandlerFunc:
+        async def handle(event: aiooutbox.Event) -> None:
+            counter["now"] += 1
+            peaks.append(counter["now"])
+            try:
+                # the primary key turns a second invocation into an error
+                await pool.execute(
+                    "INSERT INTO invocations VALUES ($1, $2, $3)", event.id, event.attempts, name
+                )
+                await asyncio.sleep(0)
+            finally:
+                counter["now"] -= 1
+
+        return handle
+
+    consumers = [
+        aiooutbox.OutboxConsumer(pool, concurrency=concurrency, poll_interval=0.5) for _ in range(3)
+    ]
+    async with (
+        running(consumers[0], {"jobs": make_handler("a", {"now": 0})}),
+        running(consumers[1], {"jobs": make_handler("b", {"now": 0})}),
+        running(consumers[2], {"jobs": make_handler("c", {"now": 0})}),
+    ):
+        await wait_until(all_in(pool, "done", total), timeout=60)
+
+    assert await status_counts(pool) == {"done": total}
+    assert await pool.fetchval("SELECT count(*) FROM invocations") == total
+    assert await pool.fetchval("SELECT count(*) FROM invocations WHERE attempt <> 1") == 0
+    workers = await pool.fetch("SELECT worker, count(*) FROM invocations GROUP BY 1")
+    assert len(workers) >= 2, "work should spread over several consumers"
+    assert max(peaks) <= concurrency
+    assert sum(c.stats.done for c in consumers) == total
+
+
+async def test_unknown_topics_stay_pending(pool: asyncpg.Pool) -> None:
+    await aiooutbox.enqueue(pool, "handled", {})
+    other = await aiooutbox.enqueue(pool, "nobody.handles.this", {})
+    seen: list[int] = []
+
+    async def handle(event: aiooutbox.Event) -> None:
+        seen.append(event.id)
+
+    async with running(aiooutbox.OutboxConsumer(pool, poll_interval=0.2), {"handled": handle}):
+        await wait_until(all_in(pool, "done", 1))
+        await asyncio.sleep(0.5)  # several claim rounds; the other row must stay untouched
+    row = await pool.fetchrow(
+        "SELECT status::text, attempts, locked_by FROM outbox_events WHERE id = $1", other
+    )
+    assert tuple(row) == ("pending", 0, None)
+    assert other not in seen
+
+
+async def test_event_fields_reach_the_handler(pool: asyncpg.Pool) -> None:
+    event_id = await aiooutbox.enqueue(
+        pool,
+        "orders.created",
+        {"order_id": 42, "items": [1, 2]},
+        dedupe_key="order-42-created",
+        headers={"traceparent": "00-abc-def-01"},
+        max_attempts=7,
+    )
+    got: list[aiooutbox.Event] = []
+
+    async def handle(event: aiooutbox.Event) -> None:
+        got.append(event)
+
+    async with running(aiooutbox.OutboxConsumer(pool), {"orders.created": handle}):
+        await wait_until(lambda: _truthy(got))
+    (event,) = got
+    assert event.id == event_id
+    assert event.topic == "orders.created"
+    assert event.payload == {"order_id": 42, "items": [1, 2]}
+    assert event.dedupe_key == "order-42-created"
+    assert event.headers == {"traceparent": "00-abc-def-01"}
+    assert (event.attempts, event.max_attempts) == (1, 7)
+    assert event.created_at is not None and event.created_at.tzinfo is not None
+
+
+async def _truthy(value: object) -> bool:
+    return bool(value)
+
+
+async def test_failures_retry_with_backoff_then_die_with_last_error(pool: asyncpg.Pool) -> None:
+    event_id = await aiooutbox.enqueue(pool, "flaky", {}, max_attempts=3)
+    seen: list[float] = []
+
+    async def handle(event: aiooutbox.Event) -> None:
+        seen.append(time.monotonic())
+        raise ValueError(f"broken on attempt {event.attempts}")
+
+    policy = aiooutbox.RetryPolicy(base=0.3, factor=2.0, max_delay=0.5, jitter=0.0)
+    consumer = aiooutbox.OutboxConsumer(pool, retry=policy, poll_interval=0.1)
+    async with running(consumer, {"flaky": handle}):
+        await wait_until(all_in(pool, "dead", 1), timeout=20)
+    row = await pool.fetchrow("SELECT * FROM outbox_events WHERE id = $1", event_id)
+    assert row["attempts"] == 3
+    assert "ValueError: broken on attempt 3" in row["last_error"]
+    assert "Traceback" in row["last_error"]
+    assert row["finished_at"] is not None
+    assert len(seen) == 3
+    gaps = [b - a for a, b in itertools.pairwise(seen)]
+    # exact exponential delays (no jitter): 0.3 s then 0.5 s (capped)
+    assert 0.28 <= gaps[0] < 1.5
+    assert 0.48 <= gaps[1] < 1.7
+    assert consumer.stats.dead == 1 and consumer.stats.retried == 2
+
+
+def test_retry_policy_bounds() -> None:
+    policy = aiooutbox.RetryPolicy(base=1.0, factor=2.0, max_delay=10.0)
+    for attempts in range(1, 30):
+        ceiling = min(10.0, 2.0 ** (attempts - 1))
+        delays = [policy.delay(attempts) for _ in range(200)]
+        assert all(0 <= d <= ceiling for d in delays)
+        # full jitter spreads the delays across the range
+        assert max(delays) - min(delays) > ceiling * 0.5
+    half = aiooutbox.RetryPolicy(base=2.0, jitter=0.5)
+    assert all(1.0 <= half.delay(1) <= 2.0 for _ in range(200))
+    assert aiooutbox.RetryPolicy(max_delay=5).delay(10_000) <= 5
+
+
+async def test_retry_exception_delay_is_honoured(pool: asyncpg.Pool) -> None:
+    event_id = await aiooutbox.enqueue(pool, "later", {})
+    attempts: list[int] = []
+
+    async def handle(event: aiooutbox.Event) -> None:
+        attempts.append(event.attempts)
+        if event.attempts == 1:
+            raise aiooutbox.Retry(delay=30, reason="rate limited")
+
+    async with running(aiooutbox.OutboxConsumer(pool, poll_interval=0.1), {"later": handle}):
+        await wait_until(all_in(pool, "retry", 1))
+        row = await pool.fetchrow(
+            "SELECT extract(epoch FROM available_at - updated_at) AS delay, last_error"
+            " FROM outbox_events WHERE id = $1",
+            event_id,
+        )
+        assert 29.9 <= row["delay"] <= 30.1
+        assert row["last_error"] == "Retry: rate limited"
+        await asyncio.sleep(0.3)
+        assert attempts == [1]
+        # make it due now: the consumer picks it up (its next-due timer or poll)
+        await pool.execute("UPDATE outbox_events SET available_at = now() WHERE id = $1", event_id)
+        await wait_until(all_in(pool, "done", 1))
+    assert attempts == [1, 2]
+
+
+async def test_dead_goes_straight_to_dead(pool: asyncpg.Pool) -> None:
+    event_id = await aiooutbox.enqueue(pool, "bad", {}, max_attempts=10)
+
+    async def handle(event: aiooutbox.Event) -> None:
+        raise aiooutbox.Dead("malformed order")
+
+    async with running(aiooutbox.OutboxConsumer(pool), {"bad": handle}):
+        await wait_until(all_in(pool, "dead", 1))
+    row = await pool.fetchrow(
+        "SELECT attempts, last_error FROM outbox_events WHERE id=$1", event_id
+    )
+    assert tuple(row) == (1, "Dead: malformed order")
+
+
+async def test_handler_timeout_is_a_failure(pool: asyncpg.Pool) -> None:
+    await aiooutbox.enqueue(pool, "slow", {}, max_attempts=1)
+
+    async def handle(event: aiooutbox.Event) -> None:
+        await asyncio.sleep(30)
+
+    consumer = aiooutbox.OutboxConsumer(pool, handler_timeout=0.2)
+    async with running(consumer, {"slow": handle}):
+        await wait_until(all_in(pool, "dead", 1))
+    assert "TimeoutError" in await pool.fetchval("SELECT last_error FROM outbox_events")
+
+
+async def test_abandoned_claim_is_recovered_after_lease_timeout(pool: asyncpg.Pool) -> None:
+    event_id = await aiooutbox.enqueue(pool, "jobs", {})
+    q = queries()
+    # a worker that claims and then "crashes": it never settles nor heartbeats
+    rows = await pool.fetch(q.claim, "crashed-worker", 1.0, ["jobs"], 10)
+    assert [r[0] for r in rows] == [event_id]
+    handled: list[int] = []
+
+    async def handle(event: aiooutbox.Event) -> None:
+        handled.append(event.attempts)
+
+    started = time.monotonic()
+    consumer = aiooutbox.OutboxConsumer(pool, lease_timeout=2.0, poll_interval=0.2)
+    async with running(consumer, {"jobs": handle}):
+        await wait_until(all_in(pool, "done", 1), timeout=20)
+    assert time.monotonic() - started < 10
+    assert handled == [2]  # the crashed claim counted as attempt 1
+    assert consumer.stats.recovered == 1
+
+
+async def test_recovery_of_an_exhausted_row_makes_it_dead(pool: asyncpg.Pool) -> None:
+    event_id = await aiooutbox.enqueue(pool, "jobs", {}, max_attempts=1)
+    await pool.fetch(queries().claim, "crashed-worker", 1.0, ["jobs"], 10)
+    await asyncio.sleep(1.1)
+    recovered = await pool.fetch(queries().recover_expired, 100)
+    assert [(r[0], r[2]) for r in recovered] == [(event_id, "dead")]
+    error = await pool.fetchval("SELECT last_error FROM outbox_events")
+    assert "lease expired" in error and "crashed-worker" in error
+
+
+async def test_long_handler_keeps_its_lease_through_heartbeats(pool: asyncpg.Pool) -> None:
+    await aiooutbox.enqueue(pool, "long", {})
+    runs: list[int] = []
+
+    async def handle(event: aiooutbox.Event) -> None:
+        runs.append(event.attempts)
+        await asyncio.sleep(4.0)  # twice the lease
+
+    slow = aiooutbox.OutboxConsumer(pool, lease_timeout=2.0, poll_interval=0.2)
+    thief = aiooutbox.OutboxConsumer(pool, lease_timeout=2.0, poll_interval=0.2)
+    async with running(slow, {"long": handle}):
+        await wait_until(lambda: _truthy(runs))
+        async with running(thief, {"long": handle}):
+            await wait_until(all_in(pool, "done", 1), timeout=20)
+    assert runs == [1]
+    assert slow.stats.recovered + thief.stats.recovered == 0
+
+
+async def test_stale_settlement_is_fenced_out(pool: asyncpg.Pool) -> None:
+    event_id = await aiooutbox.enqueue(pool, "jobs", {})
+    q = queries()
+    await pool.fetch(q.claim, "stale", 0.5, ["jobs"], 1)
+    await asyncio.sleep(0.6)
+    assert len(await pool.fetch(q.recover_expired, 100)) == 1
+    await pool.fetch(q.claim, "fresh", 30.0, ["jobs"], 1)
+    # the stale worker (attempt 1) tries to settle: nothing changes
+    assert await pool.execute(q.settle_done, [event_id], "stale", 1) == "UPDATE 0"
+    assert (
+        await pool.execute(q.settle_failed, [event_id], [0.0], ["late"], [True], "stale", 1)
+        == "UPDATE 0"
+    )
+    # the same worker id on an older attempt is fenced too
+    assert await pool.execute(q.settle_done, [event_id], "fresh", 1) == "UPDATE 0"
+    row = await pool.fetchrow("SELECT status::text, locked_by, attempts FROM outbox_events")
+    assert tuple(row) == ("processing", "fresh", 2)
+    assert await pool.execute(q.settle_done, [event_id], "fresh", 2) == "UPDATE 1"
+
+
+async def _listener_pids(pool: asyncpg.Pool) -> list[int]:
+    rows = await pool.fetch(
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+        " AND query ILIKE 'LISTEN%' AND pid <> pg_backend_pid()"
+    )
+    return [r[0] for r in rows]
+
+
+async def test_idle_consumer_wakes_on_notify_long_before_its_poll(pool: asyncpg.Pool) -> None:
+    started: dict[int, float] = {}
+
+    async def handle(event: aiooutbox.Event) -> None:
+        started[event.id] = time.monotonic()
+
+    consumer = aiooutbox.OutboxConsumer(pool, poll_interval=60)
+    async with running(consumer, {"ping": handle}):
+        await wait_until(lambda: _is_idle(pool, consumer))
+        latencies = []
+        for _ in range(5):
+            sent = time.monotonic()
+            event_id = await aiooutbox.enqueue(pool, "ping", {})
+            await wait_until(lambda eid=event_id: _has(started, eid), timeout=10, interval=0.001)
+            latencies.append(started[event_id] - sent)
+            await wait_until(lambda: _is_idle(pool, consumer))
+        assert max(latencies) < 1.0, latencies  # the poll interval is 60 s
+
+        # kill the listener's backend: it reconnects, re-listens and still wakes at once
+        pids = await _listener_pids(pool)
+        assert len(pids) == 1
+        await pool.execute("SELECT pg_terminate_backend($1)", pids[0])
+        await wait_until(lambda: _new_listener(pool, pids[0]), timeout=15)
+        await wait_until(lambda: _is_idle(pool, consumer))
+        sent = time.monotonic()
+        event_id = await aiooutbox.enqueue(pool, "ping", {})
+        await wait_until(lambda: _has(started, event_id), timeout=10, interval=0.001)
+        assert started[event_id] - sent < 1.0
+    assert await status_counts(pool) == {"done": 6}
+
+
+async def _has(mapping: dict[int, float], key: int) -> bool:
+    return key in mapping
+
+
+async def _is_idle(pool: asyncpg.Pool, consumer: aiooutbox.OutboxConsumer) -> bool:
+    return (
+        bool(
+            await pool.fetchval(
+                "SELECT count(*) FROM outbox_events_idle WHERE worker_id = $1", consumer.worker_id
+            )
+        )
+        and consumer.listening
+    )
+
+
+async def _new_listener(pool: asyncpg.Pool, old_pid: int) -> bool:
+    pids = await _listener_pids(pool)
+    return bool(pids) and old_pid not in pids
+
+
+async def test_poll_only_consumer_still_delivers(pool: asyncpg.Pool) -> None:
+    async def handle(event: aiooutbox.Event) -> None:
+        return None
+
+    consumer = aiooutbox.OutboxConsumer(pool, listen=False, poll_interval=0.2)
+    async with running(consumer, {"x": handle}):
+        await asyncio.sleep(0.3)
+        await aiooutbox.enqueue(pool, "x", {})
+        await wait_until(all_in(pool, "done", 1), timeout=5)
+        assert not consumer.listening
+    assert await pool.fetchval("SELECT count(*) FROM outbox_events_idle") == 0
+
+
+async def test_delayed_event_runs_when_due_not_at_next_poll(pool: asyncpg.Pool) -> None:
+    ran: list[float] = []
+
+    async def handle(event: aiooutbox.Event) -> None:
+        ran.append(time.monotonic())
+
+    consumer = aiooutbox.OutboxConsumer(pool, poll_interval=30)
+    async with running(consumer, {"x": handle}):
+        await wait_until(lambda: _is_idle(pool, consumer))
+        sent = time.monotonic()
+        await aiooutbox.enqueue(pool, "x", {}, delay=timedelta(seconds=1))
+        await wait_until(lambda: _truthy(ran), timeout=10)
+    assert 0.9 <= ran[0] - sent < 5
+
+
+async def test_graceful_stop_lets_running_handlers_finish(pool: asyncpg.Pool) -> None:
+    await aiooutbox.enqueue_many(pool, [aiooutbox.NewEvent("work", i) for i in range(4)])
+    started = asyncio.Event()
+    finished: list[int] = []
+
+    async def handle(event: aiooutbox.Event) -> None:
+        started.set()
+        await asyncio.sleep(0.5)
+        finished.append(event.id)
+
+    consumer = aiooutbox.OutboxConsumer(pool, concurrency=4, shutdown_grace=10)
+    task = asyncio.ensure_future(consumer.run({"work": handle}))
+    await asyncio.wait_for(started.wait(), 10)
+    consumer.stop()
+    await asyncio.wait_for(task, 20)
+    assert len(finished) == 4
+    assert await status_counts(pool) == {"done": 4}
+
+
+async def test_stop_after_grace_releases_running_handlers(pool: asyncpg.Pool) -> None:
+    await aiooutbox.enqueue_many(pool, [aiooutbox.NewEvent("hang", i) for i in range(3)])
+    started = asyncio.Event()
+
+    async def handle(event: aiooutbox.Event) -> None:
+        started.set()
+        await asyncio.sleep(3600)
+
+    consumer = aiooutbox.OutboxConsumer(pool, concurrency=3, shutdown_grace=0.3)
+    task = asyncio.ensure_future(consumer.run({"hang": handle}))
+    await asyncio.wait_for(started.wait(), 10)
+    await wait_until(all_in(pool, "processing", 3))
+    consumer.stop()
+    await asyncio.wait_for(task, 20)
+    rows = await pool.fetch("SELECT status::text, attempts, last_error FROM outbox_events")
+    assert {r["status"] for r in rows} == {"retry"}
+    assert all(r["attempts"] == 1 and r["last_error"].startswith("released") for r in rows)
+    assert consumer.stats.released == 3
+
+
+async def test_second_stop_is_fast(pool: asyncpg.Pool) -> None:
+    await aiooutbox.enqueue(pool, "hang", {})
+
+    async def handle(event: aiooutbox.Event) -> None:
+        await asyncio.sleep(3600)
+
+    consumer = aiooutbox.OutboxConsumer(pool, shutdown_grace=3600)
+    task = asyncio.ensure_future(consumer.run({"hang": handle}))
+    await wait_until(all_in(pool, "processing", 1))
+    consumer.stop()
+    await asyncio.sleep(0.2)
+    assert not task.done()
+    consumer.stop()
+    await asyncio.wait_for(task, 10)
+    assert await status_counts(pool) == {"retry": 1}
+
+
+async def test_cancelling_run_stops_gracefully(pool: asyncpg.Pool) -> None:
+    await aiooutbox.enqueue_many(pool, [aiooutbox.NewEvent("work", i) for i in range(2)])
+    started = asyncio.Event()
+
+    async def handle(event: aiooutbox.Event) -> None:
+        started.set()
+        await asyncio.sleep(0.3)
+
+    consumer = aiooutbox.OutboxConsumer(pool, concurrency=2)
+    task = asyncio.ensure_future(consumer.run({"work": handle}))
+    await asyncio.wait_for(started.wait(), 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 20)
+    assert await status_counts(pool) == {"done": 2}
+    assert not consumer.running
+
+
+async def test_handler_raising_cancelled_error_is_a_failure(pool: asyncpg.Pool) -> None:
+    await aiooutbox.enqueue(pool, "odd", {}, max_attempts=1)
+    await aiooutbox.enqueue(pool, "fine", {})
+
+    async def odd(event: aiooutbox.Event) -> None:
+        raise asyncio.CancelledError
+
+    async def fine(event: aiooutbox.Event) -> None:
+        return None
+
+    async with running(aiooutbox.OutboxConsumer(pool), {"odd": odd, "fine": fine}):
+        await wait_until(lambda: _statuses(pool, {"dead": 1, "done": 1}))
+    assert "CancelledError" in await pool.fetchval(
+        "SELECT last_error FROM outbox_events WHERE topic = 'odd'"
+    )
+
+
+async def _statuses(pool: asyncpg.Pool, expected: dict[str, int]) -> bool:
+    return await status_counts(pool) == expected
+
+
+class Shutdown(BaseException):
+    pass
+
+
+async def test_handler_raising_base_exception_stops_and_surfaces(pool: asyncpg.Pool) -> None:
+    await aiooutbox.enqueue(pool, "fatal", {})
+
+    async def handle(event: aiooutbox.Event) -> None:
+        raise Shutdown("bye")
+
+    consumer = aiooutbox.OutboxConsumer(pool, retry=FAST_RETRY)
+    with pytest.raises(Shutdown):
+        await asyncio.wait_for(consumer.run({"fatal": handle}), 20)
+    row = await pool.fetchrow("SELECT status::text, last_error FROM outbox_events")
+    assert row["status"] == "retry"
+    assert "Shutdown: bye" in row["last_error"]
+
+
+async def test_consumer_refuses_an_unmigrated_database(empty_dsn: str) -> None:
+    async with asyncpg.create_pool(empty_dsn, min_size=1, max_size=2) as p:
+        with pytest.raises(aiooutbox.SchemaNotReady, match="migrate"):
+            async with aiooutbox.OutboxConsumer(p):
+                pass
+        with pytest.raises(aiooutbox.SchemaNotReady):
+            await aiooutbox.OutboxConsumer(p).run({"x": _noop})
+
+
+async def _noop(event: aiooutbox.Event) -> None:
+    return None
+
+
+async def test_listener_that_cannot_connect_fails_run(pool: asyncpg.Pool) -> None:
+    consumer = aiooutbox.OutboxConsumer(
+        pool, listen_dsn="postgresql://postgres@127.0.0.1:1/nope", statement_timeout=2
+    )
+    with pytest.raises(OSError):
+        await asyncio.wait_for(consumer.run({"x": _noop}), 20)
+
+
+async def test_consumer_cannot_run_twice(pool: asyncpg.Pool) -> None:
+    consumer = aiooutbox.OutboxConsumer(pool)
+    async with running(consumer, {"x": _noop}):
+        await asyncio.sleep(0.05)
+        with pytest.raises(RuntimeError, match="already running"):
+            await consumer.run({"x": _noop})
+    with pytest.raises(RuntimeError, match="again"):
+        await consumer.run({"x": _noop})
+
+
+async def test_router_per_topic_options(pool: asyncpg.Pool) -> None:
+    router = aiooutbox.Router()
+    calls: list[int] = []
+
+    @router.handler("a", retry=aiooutbox.RetryPolicy(base=0.01, max_delay=0.01), timeout=5)
+    async def a(event: aiooutbox.Event) -> None:
+        calls.append(event.attempts)
+        if event.attempts < 3:
+            raise RuntimeError("not yet")
+
+    # the consumer default would wait an hour; the topic's own policy retries at once
+    slow = aiooutbox.RetryPolicy(base=3600, jitter=0)
+    await aiooutbox.enqueue(pool, "a", {})
+    async with running(aiooutbox.OutboxConsumer(pool, retry=slow, poll_interval=0.1), router):
+        await wait_until(all_in(pool, "done", 1), timeout=15)
+    assert calls == [1, 2, 3]
+    with pytest.raises(aiooutbox.InvalidArgument):
+        router.add("a", a)
+    with pytest.raises(TypeError, match="async"):
+        router.add("b", lambda e: None)  # type: ignore[arg-type, return-value]
+
+
+async def test_done_rows_are_purged_after_retention(pool: asyncpg.Pool) -> None:
+    ids = await aiooutbox.enqueue_many(pool, [aiooutbox.NewEvent("x", i) for i in range(5)])
+    await pool.execute(
+        "UPDATE outbox_events SET status = 'done', finished_at = now() - interval '2 days'"
+        " WHERE id = ANY($1::bigint[])",
+        ids[:3],
+    )
+    consumer = aiooutbox.OutboxConsumer(pool, retention=timedelta(days=1))
+    async with running(consumer, {"x": _noop}):
+        await wait_until(lambda: _statuses(pool, {"done": 2}), timeout=20)
+    left = {r[0] for r in await pool.fetch("SELECT id FROM outbox_events")}
+    assert left == set(ids[3:])
+
+
+async def test_claim_plan_uses_the_partial_index(pool: asyncpg.Pool) -> None:
+    await aiooutbox.enqueue_many(pool, [aiooutbox.NewEvent("x", i) for i in range(2000)])
+    await pool.execute(
+        "UPDATE outbox_events SET status = 'done', finished_at = now() WHERE id % 10 <> 0"
+    )
+    await pool.execute("ANALYZE outbox_events")
+    q = queries()
+    async with pool.acquire() as conn, conn.transaction():
+        # force the generic plan that prepared statements switch to after five runs
+        await conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        for sql, args in [
+            (q.claim, ("w", 30.0, ["x"], 100)),
+            (q.settle_done, ([1, 2, 3], "w", 1)),
+            (q.recover_expired, (100,)),
+        ]:
+            stmt = await conn.prepare("EXPLAIN " + sql)
+            plan = "\n".join(r[0] for r in await stmt.fetch(*args))
+            assert "Seq Scan" not in plan, plan
+        claim_plan = "\n".join(
+            r[0]
+            for r in await (await conn.prepare("EXPLAIN " + q.claim)).fetch("w", 30.0, ["x"], 1)
+        )
+        assert "outbox_events_claimable_idx" in claim_plan, claim_plan
+        settle_plan = "\n".join(
+            r[0] for r in await (await conn.prepare("EXPLAIN " + q.settle_done)).fetch([1], "w", 1)
+        )
+        assert "outbox_events_pkey" in settle_plan, settle_plan
