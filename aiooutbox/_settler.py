@@ -32,6 +32,7 @@ class Failure:
     delay: float
     error: str
     force_dead: bool
+    released: bool = False
 
 
 @dataclass
@@ -167,6 +168,7 @@ class Settler:
                     [f.delay for f in failures],
                     [f.error for f in failures],
                     [f.force_dead for f in failures],
+                    [f.released for f in failures],
                     self._worker_id,
                     attempts,
                 ),

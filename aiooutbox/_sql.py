@@ -97,6 +97,10 @@ class Queries:
         return f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"'
 
     @property
+    def schema_exists(self) -> str:
+        return "SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)"
+
+    @property
     def create_versions_table(self) -> str:
         return (
             f"CREATE TABLE IF NOT EXISTS {self.versions_table} ("
@@ -182,8 +186,10 @@ class Queries:
 
     @property
     def settle_failed(self) -> str:
-        # $1 ids, $2 delays (s), $3 errors, $4 force dead, $5 worker id, $6 attempts
-        dead = "(u.force_dead OR e.attempts >= e.max_attempts)"
+        # $1 ids, $2 delays (s), $3 errors, $4 force dead, $5 released, $6 worker id,
+        # $7 attempts. A release (the consumer stopped before the handler finished) is
+        # not the event's fault: it goes back to retry even after its last attempt.
+        dead = "(u.force_dead OR (e.attempts >= e.max_attempts AND NOT u.released))"
         return (
             f"UPDATE {self.qualified} AS e SET"
             f" status = CASE WHEN {dead} THEN 'dead' ELSE 'retry' END::{self.status_type},"
@@ -191,10 +197,10 @@ class Queries:
             " ELSE now() + make_interval(secs => u.delay) END,"
             f" finished_at = CASE WHEN {dead} THEN now() END,"
             " last_error = u.error, lease_expires_at = NULL, updated_at = now()"
-            " FROM unnest($1::bigint[], $2::float8[], $3::text[], $4::bool[])"
-            " AS u(id, delay, error, force_dead)"
+            " FROM unnest($1::bigint[], $2::float8[], $3::text[], $4::bool[], $5::bool[])"
+            " AS u(id, delay, error, force_dead, released)"
             " WHERE e.id = u.id AND e.id = ANY ($1::bigint[]) AND e.status = 'processing'"
-            " AND e.locked_by = $5 AND e.attempts = $6"
+            " AND e.locked_by = $6 AND e.attempts = $7"
         )
 
     @property

@@ -117,7 +117,8 @@ class OutboxConsumer:
       consumer. Leases are extended every third of it while handlers run, so it only
       needs to exceed the time a crashed or frozen worker may take to be noticed.
     - ``shutdown_grace=10.0``: on stop, running handlers get this long to finish; the
-      rest are cancelled and released (the attempt still counts).
+      rest are cancelled and released for another consumer at once. The attempt still
+      counts (``attempts`` never decreases), but a release never sends a row to ``dead``.
     - ``retry=RetryPolicy()``: backoff after an exception (1 s doubling, capped at 1 h,
       full jitter); a per-topic `Handler(retry=...)` overrides it.
     - ``handler_timeout=None``: no limit; a timeout counts as a failure.
@@ -199,6 +200,7 @@ class OutboxConsumer:
         self._settled_all = asyncio.Event()
         self._started = asyncio.Event()
         self._workers_scope: anyio.CancelScope | None = None
+        self._startup_scope: anyio.CancelScope | None = None
         self._settler: Settler | None = None
         self._listener: Listener | None = None
 
@@ -264,6 +266,8 @@ class OutboxConsumer:
         self._stop_event.set()
         self._wake.set()
         self._slot_freed.set()
+        if self._startup_scope is not None:
+            self._startup_scope.cancel()
         if self._hurry and self._workers_scope is not None:
             self._workers_scope.cancel()
 
@@ -347,7 +351,12 @@ class OutboxConsumer:
                     keepalive=max(self._poll_interval, 5.0),
                     timeout=self._timeout,
                 )
-                await services.start(self._listener.run)
+                # a stop() during the first connect must not wait for its timeout
+                with anyio.CancelScope() as self._startup_scope:
+                    if self._stopping:
+                        self._startup_scope.cancel()
+                    await services.start(self._listener.run)
+                self._startup_scope = None
             self._started.set()
             services.start_soon(settler.run)
             services.start_soon(self._heartbeat_loop)
@@ -404,6 +413,7 @@ class OutboxConsumer:
         backoff = 0.05
         linger = 0
         idle = False
+        advertised_on = -1  # the listener connection (reconnect count) idle was declared on
         full = False
         settler = self._settler
         assert settler is not None
@@ -449,11 +459,17 @@ class OutboxConsumer:
                 await self._wait_for(self._wake.wait(), _LINGER[linger])
                 linger += 1
                 continue
+            listener = self._listener
+            if idle and listener is not None and listener.reconnects != advertised_on:
+                # the listener reconnected: after a server crash the unlogged idle table
+                # is empty, so producers would notify nobody until we advertise again
+                idle = False
             if self._listen and not idle and self.listening:
                 # advertise, then look once more: an insert that committed before the
                 # advertisement saw no idle consumer and sent no notification
                 idle = await self._declare(busy=False)
                 if idle:
+                    advertised_on = listener.reconnects if listener is not None else -1
                     continue
             await self._wait_for(self._wake.wait(), await self._idle_timeout())
             if idle and not self._wake.is_set():
@@ -612,7 +628,8 @@ class OutboxConsumer:
                 event.attempts,
                 0.0,
                 "released: the consumer stopped before the handler finished",
-                False,
+                force_dead=False,
+                released=True,
             )
         )
 

@@ -261,7 +261,9 @@ async def test_stale_settlement_is_fenced_out(pool: asyncpg.Pool) -> None:
     # the stale worker (attempt 1) tries to settle: nothing changes
     assert await pool.execute(q.settle_done, [event_id], "stale", 1) == "UPDATE 0"
     assert (
-        await pool.execute(q.settle_failed, [event_id], [0.0], ["late"], [True], "stale", 1)
+        await pool.execute(
+            q.settle_failed, [event_id], [0.0], ["late"], [True], [False], "stale", 1
+        )
         == "UPDATE 0"
     )
     # the same worker id on an older attempt is fenced too
@@ -395,6 +397,28 @@ async def test_stop_after_grace_releases_running_handlers(pool: asyncpg.Pool) ->
     assert {r["status"] for r in rows} == {"retry"}
     assert all(r["attempts"] == 1 and r["last_error"].startswith("released") for r in rows)
     assert consumer.stats.released == 3
+
+
+async def test_release_on_the_last_attempt_does_not_kill_the_event(pool: asyncpg.Pool) -> None:
+    await aiooutbox.enqueue(pool, "hang", {}, max_attempts=1)
+    hang = True
+    attempts: list[int] = []
+
+    async def handle(event: aiooutbox.Event) -> None:
+        attempts.append(event.attempts)
+        if hang:
+            await asyncio.sleep(3600)
+
+    consumer = aiooutbox.OutboxConsumer(pool, shutdown_grace=0.1)
+    task = asyncio.ensure_future(consumer.run({"hang": handle}))
+    await wait_until(all_in(pool, "processing", 1))
+    consumer.stop()
+    await asyncio.wait_for(task, 20)
+    assert await status_counts(pool) == {"retry": 1}
+    hang = False
+    async with running(aiooutbox.OutboxConsumer(pool), {"hang": handle}):
+        await wait_until(all_in(pool, "done", 1))
+    assert attempts == [1, 2]
 
 
 async def test_second_stop_is_fast(pool: asyncpg.Pool) -> None:
@@ -565,3 +589,29 @@ async def test_claim_plan_uses_the_partial_index(pool: asyncpg.Pool) -> None:
             r[0] for r in await (await conn.prepare("EXPLAIN " + q.settle_done)).fetch([1], "w", 1)
         )
         assert "outbox_events_pkey" in settle_plan, settle_plan
+
+
+async def test_stop_during_a_hanging_first_connect_returns_quickly(pool: asyncpg.Pool) -> None:
+    # a local server that accepts connections and never answers
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        consumer = aiooutbox.OutboxConsumer(
+            pool,
+            listen_dsn=f"postgresql://postgres@127.0.0.1:{port}/x?sslmode=disable",
+            statement_timeout=30,
+        )
+        task = asyncio.ensure_future(consumer.run({"x": _noop}))
+        await asyncio.sleep(0.3)
+        assert not task.done()
+        started = time.monotonic()
+        consumer.stop()
+        await asyncio.wait_for(task, 10)
+        assert time.monotonic() - started < 5
+    finally:
+        server.close()
+        await server.wait_closed()

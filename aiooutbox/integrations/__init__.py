@@ -1,0 +1,11 @@
+"""Running aiooutbox inside applications.
+
+- `aiooutbox.integrations.background`: ``run_consumer``, a framework-neutral async context
+  manager that runs a consumer in the background of any asyncio application.
+- `aiooutbox.integrations.fastapi`: a lifespan helper and request dependencies
+  (``pip install aiooutbox[fastapi]``).
+- `aiooutbox.integrations.aiohttp`: a ``cleanup_ctx`` helper and typed ``AppKey`` s
+  (``pip install aiooutbox[aiohttp]``).
+
+Each framework is imported only by its own module, never by ``import aiooutbox``.
+"""

@@ -1,0 +1,148 @@
+"""The orders service of ``fastapi_app.py``, on aiohttp.
+
+``POST /orders`` writes the order and an ``orders.created`` event in one transaction; a
+handler running in the app's background "sends" the confirmation email by recording it
+in the ``emails`` table; ``GET /orders/{id}`` shows the order with its email status.
+
+Run it (tables and the outbox schema are created at startup)::
+
+    export AIOOUTBOX_DSN=postgresql://postgres@127.0.0.1:5432/test
+    python -m examples.aiohttp_app            # http://localhost:8080
+    curl -X POST localhost:8080/orders -H 'content-type: application/json' \\
+         -d '{"email": "ada@example.com", "item": "teapot", "quantity": 2}'
+    curl localhost:8080/orders/1
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+from aiohttp import web
+
+import aiooutbox
+from aiooutbox.integrations.aiohttp import POOL, outbox_ctx, transaction
+
+logger = logging.getLogger("examples.aiohttp_app")
+
+TABLES = """
+CREATE TABLE IF NOT EXISTS orders (
+    id         BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    email      TEXT        NOT NULL,
+    item       TEXT        NOT NULL,
+    quantity   INT         NOT NULL CHECK (quantity > 0),
+    created_at TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+CREATE TABLE IF NOT EXISTS emails (
+    order_id  BIGINT      PRIMARY KEY REFERENCES orders (id),
+    recipient TEXT        NOT NULL,
+    subject   TEXT        NOT NULL,
+    sent_at   TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+"""
+
+
+def database_url() -> str:
+    dsn = os.environ.get("AIOOUTBOX_DSN") or os.environ.get("DATABASE_URL")
+    if not dsn:
+        raise RuntimeError("set AIOOUTBOX_DSN (or DATABASE_URL) to a PostgreSQL DSN")
+    return dsn
+
+
+def email_handlers(pool: asyncpg.Pool) -> aiooutbox.Router:
+    router = aiooutbox.Router()
+
+    @router.handler("orders.created", timeout=10)
+    async def send_confirmation(event: aiooutbox.Event) -> None:
+        order_id = event.payload["order_id"]
+        # a real service would call its email provider here; the event can arrive twice
+        # (at-least-once), so the write is idempotent
+        await pool.execute(
+            "INSERT INTO emails (order_id, recipient, subject) VALUES ($1, $2, $3)"
+            " ON CONFLICT (order_id) DO NOTHING",
+            order_id,
+            event.payload["email"],
+            f"Your order #{order_id} is confirmed",
+        )
+        logger.info("confirmation email for order %d sent", order_id)
+
+    return router
+
+
+async def database(app: web.Application) -> AsyncIterator[None]:
+    async with asyncpg.create_pool(database_url(), min_size=2, max_size=10) as pool:
+        await aiooutbox.migrate(pool)
+        await pool.execute(TABLES)
+        app[POOL] = pool
+        yield
+
+
+async def create_order(request: web.Request) -> web.Response:
+    try:
+        body = await request.json()
+        email, item, quantity = str(body["email"]), str(body["item"]), int(body["quantity"])
+    except (KeyError, TypeError, ValueError):
+        raise web.HTTPUnprocessableEntity(text="expected email, item and quantity") from None
+    if not 0 < quantity <= 1000:
+        raise web.HTTPUnprocessableEntity(text="quantity must be between 1 and 1000")
+    # one transaction: the order and its event commit together, or neither does
+    async with transaction(request) as conn:
+        order_id = await conn.fetchval(
+            "INSERT INTO orders (email, item, quantity) VALUES ($1, $2, $3) RETURNING id",
+            email,
+            item,
+            quantity,
+        )
+        await aiooutbox.enqueue(
+            conn,
+            "orders.created",
+            {"order_id": order_id, "email": email},
+            dedupe_key=f"order-{order_id}-created",
+        )
+    return web.json_response({"id": order_id}, status=201)
+
+
+async def get_order(request: web.Request) -> web.Response:
+    try:
+        order_id = int(request.match_info["order_id"])
+    except ValueError:
+        raise web.HTTPNotFound(text="no such order") from None
+    row = await request.app[POOL].fetchrow(
+        "SELECT o.id, o.email, o.item, o.quantity, o.created_at, e.sent_at"
+        " FROM orders o LEFT JOIN emails e ON e.order_id = o.id WHERE o.id = $1",
+        order_id,
+    )
+    if row is None:
+        raise web.HTTPNotFound(text="no such order")
+    sent_at: datetime | None = row["sent_at"]
+    order: dict[str, Any] = {
+        "id": row["id"],
+        "email": row["email"],
+        "item": row["item"],
+        "quantity": row["quantity"],
+        "created_at": row["created_at"].isoformat(),
+        "confirmation_email": {
+            "status": "sent" if sent_at else "pending",
+            "sent_at": sent_at.isoformat() if sent_at else None,
+        },
+    }
+    return web.json_response(order)
+
+
+def create_app() -> web.Application:
+    app = web.Application()
+    app.cleanup_ctx.append(database)
+    # handlers as a function of the app: called at startup, once the pool exists
+    app.cleanup_ctx.append(outbox_ctx(lambda app: email_handlers(app[POOL]), shutdown_grace=5))
+    app.router.add_post("/orders", create_order)
+    app.router.add_get("/orders/{order_id}", get_order)
+    return app
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    web.run_app(create_app(), port=int(os.environ.get("PORT", "8080")))
