@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +13,10 @@ __all__ = ["Decoder", "Encoder", "decode_json", "encode_json"]
 
 Encoder = Callable[[Any], "str | bytes"]
 Decoder = Callable[["str | bytes"], Any]
+
+# a JSON ``\u0000`` escape (which jsonb rejects) is one preceded by an even number of
+# backslashes; ``\\u0000`` is an escaped backslash followed by the text "u0000"
+_NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
 def _stdlib_dumps(value: Any) -> str:
@@ -42,6 +47,17 @@ def encode_json(value: Any, what: str, encoder: Encoder | None = None) -> str:
         text = text.decode()
     if not isinstance(text, str):
         raise TypeError(f"the JSON encoder returned {type(text).__name__}, expected str or bytes")
-    if "\x00" in text or "\\u0000" in text:
+    if "\x00" in text or ("\\u0000" in text and _NUL_ESCAPE.search(text)):
         raise InvalidArgument(f"{what} contains a NUL character, which jsonb cannot store")
+    check_utf8(text, what)
     return text
+
+
+def check_utf8(text: str, what: str) -> None:
+    """Raise `InvalidArgument` if ``text`` cannot be sent as UTF-8 (a lone surrogate)."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(f"{what} is not valid Unicode text: {exc.reason}") from exc

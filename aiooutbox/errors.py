@@ -18,6 +18,10 @@ from datetime import timedelta
 __all__ = ["Dead", "InvalidArgument", "OutboxError", "Retry", "SchemaNotReady", "SchemaTooNew"]
 
 
+# a longer delay would overflow PostgreSQL's timestamp range and fail the whole settle batch
+_MAX_RETRY_DELAY = 10 * 366 * 86400.0
+
+
 class OutboxError(Exception):
     """Base class for errors raised by aiooutbox itself."""
 
@@ -45,8 +49,11 @@ class Retry(Exception):
         seconds = delay.total_seconds() if isinstance(delay, timedelta) else delay
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
             raise TypeError(f"Retry(delay=...) takes seconds or a timedelta, not {delay!r}")
-        if not seconds >= 0 or seconds == float("inf"):
-            raise InvalidArgument(f"Retry(delay=...) must be a finite number >= 0, got {delay!r}")
+        if not 0 <= seconds <= _MAX_RETRY_DELAY:
+            raise InvalidArgument(
+                f"Retry(delay=...) must be between 0 and {_MAX_RETRY_DELAY:.0f} seconds "
+                f"(10 years), got {delay!r}"
+            )
         super().__init__(reason)
         self.delay = float(seconds)
         self.reason = reason

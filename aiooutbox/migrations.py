@@ -90,10 +90,15 @@ async def migrate(
 
 
 async def _migrate(conn: asyncpg.Connection, q: Queries) -> list[int]:
-    lock_key = f"aiooutbox:{q.schema}.{q.table}"
+    # one lock per schema, not per table: outboxes migrated together into a new schema
+    # would otherwise race on CREATE SCHEMA IF NOT EXISTS (a unique violation)
+    lock_key = f"aiooutbox:{q.schema}"
     await conn.execute(q.advisory_lock, lock_key)
     try:
-        await conn.execute(q.create_schema)
+        # even with IF NOT EXISTS, CREATE SCHEMA needs CREATE on the database: a role
+        # granted only rights on an existing schema must not need it
+        if not await conn.fetchval(q.schema_exists, q.schema):
+            await conn.execute(q.create_schema)
         await conn.execute(q.create_versions_table)
         applied = {r[0] for r in await conn.fetch(q.applied_versions)}
         _refuse_newer(applied, q)

@@ -9,7 +9,7 @@ from typing import Any
 
 import asyncpg
 
-from ._codec import Encoder, encode_json
+from ._codec import Encoder, check_utf8, encode_json
 from ._sql import DEFAULT_SCHEMA, DEFAULT_TABLE, queries
 from .errors import InvalidArgument
 from .events import NewEvent
@@ -18,7 +18,10 @@ __all__ = ["DEFAULT_MAX_ATTEMPTS", "MAX_TOPIC_LENGTH", "enqueue", "enqueue_many"
 
 DEFAULT_MAX_ATTEMPTS = 5
 MAX_TOPIC_LENGTH = 255
+# in UTF-8 bytes: the unique btree index refuses entries over 2704 bytes
 MAX_DEDUPE_KEY_LENGTH = 1024
+# now() + delay must stay a valid timestamptz (and a sane schedule)
+MAX_DELAY_SECONDS = 1000 * 366 * 86400.0
 MAX_BATCH = 100_000
 
 
@@ -55,6 +58,7 @@ def _check_topic(topic: object, where: str) -> str:
         )
     if "\x00" in topic:
         raise InvalidArgument(f"{where}topic contains a NUL character")
+    check_utf8(topic, f"{where}topic")
     return topic
 
 
@@ -65,9 +69,12 @@ def _check_dedupe_key(key: object, where: str) -> str | None:
         raise TypeError(f"{where}dedupe_key must be a str or None, not {type(key).__name__}")
     if not key:
         raise InvalidArgument(f"{where}dedupe_key must not be empty (use None for no key)")
-    if len(key) > MAX_DEDUPE_KEY_LENGTH or "\x00" in key:
+    check_utf8(key, f"{where}dedupe_key")
+    if "\x00" in key or (
+        len(key) > MAX_DEDUPE_KEY_LENGTH // 4 and len(key.encode()) > MAX_DEDUPE_KEY_LENGTH
+    ):
         raise InvalidArgument(
-            f"{where}dedupe_key must be at most {MAX_DEDUPE_KEY_LENGTH} characters without NUL"
+            f"{where}dedupe_key must be at most {MAX_DEDUPE_KEY_LENGTH} bytes (UTF-8) without NUL"
         )
     return key
 
@@ -113,11 +120,17 @@ def _check_schedule(
     if isinstance(delay, timedelta):
         seconds = delay.total_seconds()
     elif isinstance(delay, (int, float)) and not isinstance(delay, bool):
-        seconds = float(delay)
+        try:
+            seconds = float(delay)
+        except OverflowError:  # an int too large for a float
+            seconds = math.inf
     else:
         raise TypeError(f"{where}delay must be seconds or a timedelta, not {type(delay).__name__}")
-    if not math.isfinite(seconds) or seconds < 0:
-        raise InvalidArgument(f"{where}delay must be a finite number of seconds >= 0, got {delay}")
+    if not math.isfinite(seconds) or not 0 <= seconds <= MAX_DELAY_SECONDS:
+        raise InvalidArgument(
+            f"{where}delay must be a finite number of seconds between 0 and "
+            f"{MAX_DELAY_SECONDS:.0f} (1000 years), got {seconds:g}"
+        )
     return None, seconds
 
 

@@ -35,6 +35,10 @@ class RetryPolicy:
                 raise InvalidArgument(f"RetryPolicy.{name} must be finite and >= 0, got {value}")
         if self.factor < 1:
             raise InvalidArgument(f"RetryPolicy.factor must be >= 1, got {self.factor}")
+        if self.max_delay > 10 * 366 * 86400:
+            raise InvalidArgument(
+                f"RetryPolicy.max_delay must be at most 10 years, got {self.max_delay}"
+            )
         if self.jitter > 1:
             raise InvalidArgument(f"RetryPolicy.jitter must be within [0, 1], got {self.jitter}")
 

@@ -615,3 +615,15 @@ async def test_stop_during_a_hanging_first_connect_returns_quickly(pool: asyncpg
     finally:
         server.close()
         await server.wait_closed()
+
+
+def test_retry_delays_are_bounded() -> None:
+    with pytest.raises(aiooutbox.InvalidArgument, match="10 years"):
+        aiooutbox.Retry(delay=1e300)
+    with pytest.raises(aiooutbox.InvalidArgument):
+        aiooutbox.Retry(delay=-1)
+    with pytest.raises(TypeError):
+        aiooutbox.Retry(delay="5")  # type: ignore[arg-type]
+    with pytest.raises(aiooutbox.InvalidArgument):
+        aiooutbox.RetryPolicy(max_delay=1e300)
+    assert aiooutbox.Retry(delay=timedelta(minutes=1)).delay == 60.0

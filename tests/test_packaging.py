@@ -1,0 +1,110 @@
+"""The wheel built from this tree ships the SQL migrations and the typing marker."""
+
+from __future__ import annotations
+
+import email
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import aiooutbox
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "aiooutbox"
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, f"building the wheel failed:\n{proc.stdout}\n{proc.stderr}"
+    [built] = out.glob("aiooutbox-*.whl")
+    return built
+
+
+def names(wheel: Path) -> set[str]:
+    with zipfile.ZipFile(wheel) as zf:
+        return set(zf.namelist())
+
+
+def test_the_wheel_ships_every_migration_byte_for_byte(wheel: Path) -> None:
+    sql_files = sorted((PACKAGE / "schema").glob("*.sql"))
+    assert [p.name for p in sql_files][:1] == ["0001_outbox.sql"]
+    with zipfile.ZipFile(wheel) as zf:
+        for path in sql_files:
+            assert zf.read(f"aiooutbox/schema/{path.name}") == path.read_bytes()
+        shipped = {n for n in zf.namelist() if n.startswith("aiooutbox/schema/")}
+    assert shipped == {f"aiooutbox/schema/{p.name}" for p in sql_files}
+
+
+def test_the_wheel_is_typed_and_complete(wheel: Path) -> None:
+    inside = names(wheel)
+    assert "aiooutbox/py.typed" in inside
+    modules = {
+        p.relative_to(ROOT).as_posix()
+        for p in PACKAGE.rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
+    assert modules <= inside, f"missing from the wheel: {sorted(modules - inside)}"
+    assert not [n for n in inside if n.startswith("tests/") or "__pycache__" in n]
+
+
+def test_the_wheel_metadata(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as zf:
+        [meta_name] = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA")]
+        meta = email.message_from_bytes(zf.read(meta_name))
+    assert meta["Name"] == "aiooutbox"
+    assert meta["Version"] == aiooutbox.__version__
+    assert meta["Requires-Python"] == ">=3.10"
+    core = [r for r in meta.get_all("Requires-Dist") or [] if "extra ==" not in r]
+    core_names = {r.split(";")[0].split(">")[0].split("=")[0].split("<")[0].strip() for r in core}
+    assert {"asyncpg", "anyio"} <= core_names
+    # anything else in the core set may only be a backport for old Pythons
+    for req in core:
+        if not req.startswith(("asyncpg", "anyio")):
+            assert "python_version" in req, f"unexpected core dependency: {req}"
+    extras = set(meta.get_all("Provides-Extra") or [])
+    assert {"test", "embedded"} <= extras
+
+
+def test_the_installed_wheel_finds_its_migrations(wheel: Path, tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(site)
+    script = (
+        "import json, aiooutbox\n"
+        "from aiooutbox.migrations import migrations\n"
+        "print(json.dumps({'file': aiooutbox.__file__,"
+        " 'migrations': [[m.version, m.name, len(m.template)] for m in migrations()],"
+        " 'sql': aiooutbox.migration_sql(schema='s', table='t')}))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(proc.stdout)
+    assert Path(found["file"]).resolve().is_relative_to(site.resolve()), found["file"]
+    expected = [
+        [int(p.name[:4]), p.name[5:-4], len(p.read_text(encoding="utf-8"))]
+        for p in sorted((PACKAGE / "schema").glob("*.sql"))
+    ]
+    assert found["migrations"] == expected
+    assert found["sql"] == aiooutbox.migration_sql(schema="s", table="t")
