@@ -197,8 +197,9 @@ class Settler:
         if updated < expected:
             self.fenced += expected - updated
             logger.warning(
-                "%d outcome(s) ignored: their lease expired and the event was recovered or "
-                "re-claimed elsewhere (at-least-once delivery)",
+                "%d outcome(s) ignored: the row was no longer held by this worker on this "
+                "attempt (its lease expired and it was recovered or re-claimed, or an earlier "
+                "try of this flush committed before its connection dropped)",
                 expected - updated,
                 extra={"fenced": expected - updated},
             )

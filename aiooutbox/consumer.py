@@ -167,6 +167,12 @@ class OutboxConsumer:
         )
         if topics is not None and (isinstance(topics, str) or not isinstance(topics, Collection)):
             raise TypeError("topics must be a collection of topic names, not a single string")
+        if topics is not None:
+            for topic in topics:
+                if not isinstance(topic, str):
+                    raise TypeError(f"topics must hold topic names (str), not {topic!r}")
+            if not topics:
+                raise InvalidArgument("topics is empty: pass None to consume every handled topic")
         self._topic_filter = None if topics is None else frozenset(topics)
         self._poll_interval = _seconds("poll_interval", poll_interval, minimum=0.01)
         self._lease_timeout = _seconds("lease_timeout", lease_timeout, minimum=1.0)
@@ -175,13 +181,25 @@ class OutboxConsumer:
             raise TypeError(f"retry must be an aiooutbox.RetryPolicy, not {retry!r}")
         self._retry = retry or RetryPolicy()
         self._handler_timeout = _optional_seconds("handler_timeout", handler_timeout, minimum=0.001)
-        if worker_id is not None and (not isinstance(worker_id, str) or not worker_id.strip()):
-            raise InvalidArgument("worker_id must be a non-empty string")
+        if worker_id is not None and not isinstance(worker_id, str):
+            raise TypeError(f"worker_id must be a str, not {type(worker_id).__name__}")
+        if worker_id is not None and (
+            not worker_id.strip() or len(worker_id) > 200 or "\x00" in worker_id
+        ):
+            raise InvalidArgument("worker_id must be a non-empty string of 1-200 characters")
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self._listen = bool(listen)
+        if not isinstance(listen, bool):
+            raise TypeError(f"listen must be True or False, not {listen!r}")
+        self._listen = listen
+        if listen_dsn is not None and not isinstance(listen_dsn, str):
+            raise TypeError(f"listen_dsn must be a str or None, not {type(listen_dsn).__name__}")
+        if listen_dsn is not None and not listen_dsn.strip():
+            raise InvalidArgument("listen_dsn is empty: pass None to listen through the pool")
         self._listen_dsn = listen_dsn
         self._retention = _optional_seconds("retention", retention, minimum=1.0)
         self._timeout = _seconds("statement_timeout", statement_timeout, minimum=0.1)
+        if decoder is not None and not callable(decoder):
+            raise TypeError(f"decoder must be a callable taking the JSON text, not {decoder!r}")
         self._decode = decoder or decode_json
 
         self.stats = ConsumerStats()
@@ -208,9 +226,21 @@ class OutboxConsumer:
     async def __aenter__(self) -> OutboxConsumer:
         if self._state != "new":
             raise RuntimeError(f"cannot enter an OutboxConsumer that is {self._state}")
-        await check_schema(self._pool, schema=self._q.schema, table=self._q.table)
+        await self._check_schema()
         self._state = "entered"
         return self
+
+    async def _check_schema(self) -> None:
+        # bounded: on a stalled network the pool's query has no timeout and never returns
+        limit = 3 * self._timeout
+        try:
+            with anyio.fail_after(limit):
+                await check_schema(self._pool, schema=self._q.schema, table=self._q.table)
+        except TimeoutError:
+            raise TimeoutError(
+                f"the outbox schema check got no answer within {limit:.1f}s "
+                "(3 x statement_timeout): is the database reachable?"
+            ) from None
 
     async def __aexit__(self, *exc_info: object) -> None:
         if self._state == "running":
@@ -291,7 +321,7 @@ class OutboxConsumer:
         if self._state == "closed":
             raise RuntimeError("cannot run an OutboxConsumer again once it has stopped")
         if self._state == "new":
-            await check_schema(self._pool, schema=self._q.schema, table=self._q.table)
+            await self._check_schema()
         self._handlers = resolved
         self._topics = sorted(resolved)
         self._loop = asyncio.get_running_loop()
@@ -488,6 +518,17 @@ class OutboxConsumer:
         self.stats.claims += 1
         return rows
 
+    async def _sql(self, method: str, query: str, *args: Any) -> Any:
+        """``conn.<method>(query, *args)`` on a pooled connection, every step bounded.
+
+        Not ``pool.fetch()`` and friends: they acquire without a timeout, so on a
+        blackholed network a new connection waits for asyncpg's 60 s connect timeout and
+        a released one may wait forever for its query cancellation (and a stop() would
+        hang in the shielded cleanup). ``acquire(timeout=)`` also bounds the release.
+        """
+        async with self._pool.acquire(timeout=self._timeout) as conn:
+            return await getattr(conn, method)(query, *args, timeout=self._timeout)
+
     def _hand_out(self, rows: list[Any], send: MemoryObjectSendStream[Event]) -> None:
         now = time.monotonic()
         self.stats.claimed += len(rows)
@@ -519,9 +560,7 @@ class OutboxConsumer:
         """Jittered poll interval, shortened to when the next delayed event becomes due."""
         timeout = self._poll_interval * random.uniform(0.8, 1.2)
         try:
-            due: float | None = await self._pool.fetchval(
-                self._q.next_available, self._topics, timeout=self._timeout
-            )
+            due: float | None = await self._sql("fetchval", self._q.next_available, self._topics)
         except TRANSIENT_ERRORS:
             return timeout
         if due is not None:
@@ -532,16 +571,14 @@ class OutboxConsumer:
         """Advertise this consumer as idle (or withdraw it); return whether it is idle."""
         try:
             if busy:
-                await self._pool.execute(
-                    self._q.declare_busy, self.worker_id, timeout=self._timeout
-                )
+                await self._sql("execute", self._q.declare_busy, self.worker_id)
                 return False
-            await self._pool.execute(
+            await self._sql(
+                "execute",
                 self._q.declare_idle,
                 self.worker_id,
                 self._topics,
                 self._poll_interval * 2 + 5.0,
-                timeout=self._timeout,
             )
             return True
         except TRANSIENT_ERRORS as exc:
@@ -686,12 +723,8 @@ class OutboxConsumer:
             if not due:
                 continue
             try:
-                kept = await self._pool.fetch(
-                    self._q.extend_leases,
-                    due,
-                    self.worker_id,
-                    self._lease_timeout,
-                    timeout=self._timeout,
+                kept = await self._sql(
+                    "fetch", self._q.extend_leases, due, self.worker_id, self._lease_timeout
                 )
             except TRANSIENT_ERRORS as exc:
                 logger.warning("lease heartbeat failed (%s: %s)", type(exc).__name__, exc)
@@ -730,7 +763,7 @@ class OutboxConsumer:
     async def _recover(self) -> int:
         total = 0
         while True:
-            rows = await self._pool.fetch(self._q.recover_expired, 1000, timeout=self._timeout)
+            rows = await self._sql("fetch", self._q.recover_expired, 1000)
             for event_id, topic, status, worker in rows:
                 logger.warning(
                     "event %d (%s): lease of %s expired; now %s",
@@ -747,9 +780,7 @@ class OutboxConsumer:
 
     async def _purge(self) -> None:
         for _ in range(50):  # at most 50k rows per round, so one round stays short
-            status = await self._pool.execute(
-                self._q.purge_done, self._retention, 1000, timeout=self._timeout
-            )
+            status = await self._sql("execute", self._q.purge_done, self._retention, 1000)
             if int(status.rsplit(" ", 1)[-1]) < 1000:
                 break
-        await self._pool.execute(self._q.purge_expired_idle, timeout=self._timeout)
+        await self._sql("execute", self._q.purge_expired_idle)

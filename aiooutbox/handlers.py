@@ -83,8 +83,11 @@ def _is_async_callable(func: object) -> bool:
 def _check_topic(topic: object) -> None:
     if not isinstance(topic, str):
         raise TypeError(f"handler topics must be str, got {topic!r}")
-    if not topic.strip() or len(topic) > MAX_TOPIC_LENGTH:
-        raise InvalidArgument(f"handler topic must be 1-{MAX_TOPIC_LENGTH} characters: {topic!r}")
+    if not topic.strip() or len(topic) > MAX_TOPIC_LENGTH or "\x00" in topic:
+        shown = topic if len(topic) <= 80 else topic[:77] + "..."
+        raise InvalidArgument(
+            f"handler topic must be 1-{MAX_TOPIC_LENGTH} characters without NUL: {shown!r}"
+        )
 
 
 def _check_handler(topic: str, handler: Handler) -> Handler:

@@ -1,0 +1,1 @@
+"""Fault-injection helpers: a TCP proxy, a private PostgreSQL server, a consumer process."""

@@ -1,0 +1,463 @@
+"""A property-based test of the row state machine, on the real SQL and a real server.
+
+Hypothesis interleaves, across three workers: enqueue, claim (one at a time, and several
+at once on separate connections), settle done, settle failed (retry, forced dead, release
+at stop), lease heartbeat, lease expiry (``lease_expires_at`` moved into the past, as
+time would), lease recovery, a worker crash (it forgets its claims) and the operator's
+redrive of dead rows. Every statement is the library's own, from `aiooutbox._sql`.
+
+Each rule checks the exact effect of its statement against the snapshot before it;
+invariants check after every step:
+
+- no event is lost: every enqueued id is still there;
+- ``attempts`` never decreases, except through the operator's explicit redrive;
+- a ``done`` or ``dead`` row never changes, except through that redrive;
+- a fenced-out settlement (wrong worker or stale attempt) changes nothing;
+- no double claim: a claim only takes ``pending``/``retry`` rows, and concurrent claims
+  return disjoint sets;
+- status and lease columns agree (``processing`` iff a lease is set).
+
+At the end, time is allowed to pass (leases expire, delays elapse) and a finisher drains
+the table: every event ends ``done`` or ``dead``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Coroutine, Iterator
+from datetime import datetime
+from typing import Any, TypeVar
+
+import asyncpg
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
+
+import aiooutbox
+from aiooutbox._sql import queries
+from tests.conftest import TEMPLATE, _drop, _new_database, with_database
+
+pytestmark = pytest.mark.slow
+
+WORKERS = ("w1", "w2", "w3")
+LEASE = 60.0  # never expires on its own during an example; the expire rule does it
+Q = queries()
+T = TypeVar("T")
+
+
+class Row:
+    __slots__ = (
+        "attempts",
+        "available_at",
+        "finished_at",
+        "id",
+        "last_error",
+        "lease_expires_at",
+        "locked_by",
+        "max_attempts",
+        "status",
+        "updated_at",
+    )
+
+    def __init__(self, record: asyncpg.Record) -> None:
+        for name in self.__slots__:
+            setattr(self, name, record[name])
+
+    def as_tuple(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in self.__slots__)
+
+    id: int
+    status: str
+    attempts: int
+    max_attempts: int
+    locked_by: str | None
+    lease_expires_at: datetime | None
+    available_at: datetime
+    finished_at: datetime | None
+    last_error: str | None
+    updated_at: datetime
+
+
+SNAPSHOT = (
+    "SELECT id, status::text, attempts, max_attempts, locked_by, lease_expires_at,"
+    " available_at, finished_at, last_error, updated_at FROM outbox_events"
+)
+
+
+class World:
+    """The event loop and connections an example runs on (one per test, reused)."""
+
+    def __init__(self, dsn: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.dsn = dsn
+        self.conns: list[asyncpg.Connection] = [
+            self.run(asyncpg.connect(dsn)) for _ in range(len(WORKERS))
+        ]
+
+    @property
+    def conn(self) -> asyncpg.Connection:
+        return self.conns[0]
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self.loop.run_until_complete(coro)
+
+    def snapshot(self) -> dict[int, Row]:
+        return {r["id"]: Row(r) for r in self.run(self.conn.fetch(SNAPSHOT))}
+
+    def close(self) -> None:
+        for conn in self.conns:
+            self.run(conn.close())
+        self.loop.close()
+
+
+STEPS: Counter[str] = Counter()
+
+
+def updated(status: str) -> int:
+    return int(status.rsplit(" ", 1)[-1])
+
+
+def make_machine(world: World) -> type[RuleBasedStateMachine]:
+    class OutboxMachine(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            world.run(world.conn.execute("TRUNCATE outbox_events RESTART IDENTITY"))
+            self.enqueued: set[int] = set()
+            # what each worker believes it holds: id -> attempts it claimed at
+            self.claims: dict[str, dict[int, int]] = {w: {} for w in WORKERS}
+            self.redriven: set[int] = set()  # ids the operator redrove in the last step
+            self.before: dict[int, Row] = {}
+
+        # -- helpers -------------------------------------------------------------------
+        def _fresh(self, rows: dict[int, Row], worker: str, event_id: int) -> bool:
+            row = rows[event_id]
+            return (
+                row.status == "processing"
+                and row.locked_by == worker
+                and row.attempts == self.claims[worker][event_id]
+            )
+
+        def _all_claims(self) -> list[tuple[str, int, int]]:
+            return [(w, i, a) for w, held in self.claims.items() for i, a in sorted(held.items())]
+
+        @staticmethod
+        def _pick(pick: int, options: list[T]) -> T | None:
+            """Choose by a drawn index: concurrent claims make the set of options vary
+            between runs of one example, so it must not decide what hypothesis draws."""
+            return options[pick % len(options)] if options else None
+
+        def _claimable(self, rows: dict[int, Row], now: datetime) -> list[Row]:
+            ready = [
+                r
+                for r in rows.values()
+                if r.status in ("pending", "retry") and r.available_at <= now
+            ]
+            return sorted(ready, key=lambda r: (r.available_at, r.id))
+
+        def _now(self) -> datetime:
+            value: datetime = world.run(world.conn.fetchval("SELECT now()"))
+            return value
+
+        def _check_claimed(
+            self, worker: str, got: list[asyncpg.Record], before: dict[int, Row]
+        ) -> None:
+            after = world.snapshot()
+            for record in got:
+                event_id = record["id"]
+                old, new = before[event_id], after[event_id]
+                assert old.status in ("pending", "retry"), f"claimed a {old.status} row"
+                assert new.status == "processing" and new.locked_by == worker
+                assert new.attempts == old.attempts + 1 == record["attempts"]
+                self.claims[worker][event_id] = new.attempts
+
+        # -- rules -----------------------------------------------------------------------
+        @rule(n=st.integers(1, 3), max_attempts=st.integers(1, 3))
+        def enqueue(self, n: int, max_attempts: int) -> None:
+            events = [
+                aiooutbox.NewEvent("t", {"i": i}, max_attempts=max_attempts) for i in range(n)
+            ]
+            ids = world.run(aiooutbox.enqueue_many(world.conn, events))
+            assert all(i is not None for i in ids)
+            self.enqueued.update(i for i in ids if i is not None)
+
+        @rule(worker=st.sampled_from(WORKERS), limit=st.integers(1, 3))
+        def claim(self, worker: str, limit: int) -> None:
+            before = world.snapshot()
+            got = world.run(world.conn.fetch(Q.claim, worker, LEASE, ["t"], limit))
+            now = self._now()
+            assert len(got) <= limit
+            # oldest available first: exactly the head of the claimable queue (nothing
+            # else runs, so SKIP LOCKED skips nothing)
+            expected = [r.id for r in self._claimable(before, now)][:limit]
+            assert sorted(r["id"] for r in got) == sorted(expected)
+            self._check_claimed(worker, got, before)
+
+        @rule(workers=st.lists(st.sampled_from(WORKERS), min_size=2, max_size=3, unique=True))
+        def claim_concurrently(self, workers: list[str]) -> None:
+            before = world.snapshot()
+
+            async def claim_all() -> list[list[asyncpg.Record]]:
+                return list(
+                    await asyncio.gather(
+                        *(
+                            world.conns[i].fetch(Q.claim, w, LEASE, ["t"], 2)
+                            for i, w in enumerate(workers)
+                        )
+                    )
+                )
+
+            results = world.run(claim_all())
+            STEPS["concurrent claims with rows"] += sum(1 for got in results if got)
+            seen: set[int] = set()
+            for got in results:
+                ids = {r["id"] for r in got}
+                assert not ids & seen, "two workers claimed the same row"
+                seen |= ids
+            for worker, got in zip(workers, results, strict=True):
+                self._check_claimed(worker, got, before)
+
+        @rule(pick=st.integers(0, 10_000))
+        def settle_done(self, pick: int) -> None:
+            chosen = self._pick(pick, self._all_claims())
+            if chosen is None:
+                return
+            worker, event_id, attempts = chosen
+            before = world.snapshot()
+            fresh = self._fresh(before, worker, event_id)
+            status = world.run(world.conn.execute(Q.settle_done, [event_id], worker, attempts))
+            after = world.snapshot()
+            del self.claims[worker][event_id]
+            if fresh:
+                assert updated(status) == 1
+                assert after[event_id].status == "done"
+                assert after[event_id].attempts == before[event_id].attempts
+                assert after[event_id].lease_expires_at is None
+            else:
+                STEPS["fenced settlements"] += 1
+                assert updated(status) == 0, "a fenced-out settlement changed a row"
+                assert after[event_id].as_tuple() == before[event_id].as_tuple()
+
+        @rule(
+            pick=st.integers(0, 10_000),
+            delay=st.sampled_from([0.0, 1000.0]),
+            force_dead=st.booleans(),
+            released=st.booleans(),
+        )
+        def settle_failed(self, pick: int, delay: float, force_dead: bool, released: bool) -> None:
+            chosen = self._pick(pick, self._all_claims())
+            if chosen is None:
+                return
+            worker, event_id, attempts = chosen
+            self._fail(worker, {event_id: attempts}, delay, force_dead, released)
+
+        @rule(worker=st.sampled_from(WORKERS))
+        def stop(self, worker: str) -> None:
+            """A graceful stop that had to cancel handlers: release everything held."""
+            self._fail(worker, dict(self.claims[worker]), 0.0, False, True)
+
+        def _fail(
+            self,
+            worker: str,
+            held: dict[int, int],
+            delay: float,
+            force_dead: bool,
+            released: bool,
+        ) -> None:
+            before = world.snapshot()
+            fresh = {i for i in held if self._fresh(before, worker, i)}
+            by_attempts: dict[int, list[int]] = {}
+            for event_id, attempts in held.items():
+                by_attempts.setdefault(attempts, []).append(event_id)
+            changed = 0
+            for attempts, ids in by_attempts.items():  # one statement per attempt, as the settler
+                status = world.run(
+                    world.conn.execute(
+                        Q.settle_failed,
+                        ids,
+                        [delay] * len(ids),
+                        ["failed"] * len(ids),
+                        [force_dead] * len(ids),
+                        [released] * len(ids),
+                        worker,
+                        attempts,
+                    )
+                )
+                changed += updated(status)
+            now = self._now()
+            after = world.snapshot()
+            assert changed == len(fresh)
+            for event_id in held:
+                del self.claims[worker][event_id]
+                old, new = before[event_id], after[event_id]
+                if event_id not in fresh:
+                    STEPS["fenced settlements"] += 1
+                    assert new.as_tuple() == old.as_tuple(), "a fenced-out failure changed a row"
+                    continue
+                dead = force_dead or (old.attempts >= old.max_attempts and not released)
+                assert new.status == ("dead" if dead else "retry")
+                assert new.attempts == old.attempts and new.last_error == "failed"
+                assert new.lease_expires_at is None
+                if not dead:
+                    assert (new.available_at > now) == (delay > 0)
+
+        @rule(worker=st.sampled_from(WORKERS))
+        def heartbeat(self, worker: str) -> None:
+            held = sorted(self.claims[worker])
+            if not held:
+                return
+            before = world.snapshot()
+            got = world.run(world.conn.fetch(Q.extend_leases, held, worker, LEASE))
+            after = world.snapshot()
+            expected = {
+                i
+                for i in held
+                if before[i].status == "processing" and before[i].locked_by == worker
+            }
+            assert {r["id"] for r in got} == expected
+            for event_id in set(before) - expected:
+                assert after[event_id].as_tuple() == before[event_id].as_tuple()
+
+        @rule(pick=st.integers(0, 10_000), and_recover=st.booleans())
+        def expire(self, pick: int, and_recover: bool) -> None:
+            """A worker stalls past its lease (then, maybe, another consumer recovers it)."""
+            rows = world.snapshot()
+            event_id = self._pick(
+                pick, sorted(i for i, r in rows.items() if r.status == "processing")
+            )
+            if event_id is None:
+                return
+            world.run(
+                world.conn.execute(
+                    "UPDATE outbox_events SET lease_expires_at = now() - interval '1 second'"
+                    " WHERE id = $1",
+                    event_id,
+                )
+            )
+            if and_recover:
+                self.recover()
+
+        @rule()
+        def recover(self) -> None:
+            before = world.snapshot()
+            got = world.run(world.conn.fetch(Q.recover_expired, 1000))
+            now = self._now()
+            after = world.snapshot()
+            expected = {
+                i
+                for i, r in before.items()
+                if r.status == "processing"
+                and r.lease_expires_at is not None
+                and r.lease_expires_at < now
+            }
+            assert {r["id"] for r in got} == expected
+            STEPS["recovered"] += len(expected)
+            for event_id in expected:
+                old, new = before[event_id], after[event_id]
+                dead = old.attempts >= old.max_attempts
+                assert new.status == ("dead" if dead else "retry")
+                assert new.attempts == old.attempts
+                assert new.last_error is not None and "lease expired" in new.last_error
+
+        @rule(worker=st.sampled_from(WORKERS))
+        def crash(self, worker: str) -> None:
+            """The worker's process dies: it forgets its claims and settles nothing."""
+            self.claims[worker].clear()
+
+        @rule()
+        def operator_redrive(self) -> None:
+            """``aiooutbox dead retry``: dead rows back to pending with fresh attempts."""
+            before = world.snapshot()
+            got = world.run(world.conn.fetch(Q.dead_retry, None, None))
+            after = world.snapshot()
+            dead = {i for i, r in before.items() if r.status == "dead"}
+            assert len(got) == len(dead)
+            for event_id in dead:
+                assert (after[event_id].status, after[event_id].attempts) == ("pending", 0)
+            self.redriven = dead
+            STEPS["redriven"] += len(dead)
+
+        # -- invariants --------------------------------------------------------------------
+        @invariant()
+        def rows_only_move_forward(self) -> None:
+            STEPS["steps"] += 1
+            now = world.snapshot()
+            assert set(now) == self.enqueued, "an event was lost (or appeared)"
+            for event_id, old in self.before.items():
+                new = now[event_id]
+                if event_id in self.redriven:
+                    assert old.status == "dead" and new.status == "pending"
+                    continue
+                assert new.attempts >= old.attempts, "attempts decreased"
+                if old.status in ("done", "dead"):
+                    assert new.as_tuple() == old.as_tuple(), f"a {old.status} row changed"
+            for row in now.values():
+                assert (row.status == "processing") == (row.lease_expires_at is not None)
+                assert (row.status in ("done", "dead")) == (row.finished_at is not None)
+                if row.status == "processing":
+                    assert row.locked_by is not None
+            self.redriven = set()
+            self.before = now
+
+        def teardown(self) -> None:
+            """Let time pass until everything is finished: nothing may be stuck."""
+            STEPS["examples"] += 1
+            STEPS["events"] += len(self.enqueued)
+            for _ in range(20):
+                world.run(
+                    world.conn.execute(
+                        "UPDATE outbox_events SET lease_expires_at = now() - interval '1 second'"
+                        " WHERE status = 'processing'"
+                    )
+                )
+                world.run(world.conn.fetch(Q.recover_expired, 1000))
+                world.run(
+                    world.conn.execute(
+                        "UPDATE outbox_events SET available_at = now() WHERE status = 'retry'"
+                    )
+                )
+                got = world.run(world.conn.fetch(Q.claim, "finisher", LEASE, ["t"], 1000))
+                for attempts in {r["attempts"] for r in got}:
+                    ids = [r["id"] for r in got if r["attempts"] == attempts]
+                    world.run(world.conn.execute(Q.settle_done, ids, "finisher", attempts))
+                rows = world.snapshot()
+                if all(r.status in ("done", "dead") for r in rows.values()):
+                    break
+            rows = world.snapshot()
+            assert set(rows) == self.enqueued
+            stuck = {i: r.status for i, r in rows.items() if r.status not in ("done", "dead")}
+            assert not stuck, f"events never finished: {stuck}"
+
+    return OutboxMachine
+
+
+@pytest.fixture
+def machine_dsn(pg_server: str) -> Iterator[str]:
+    name = asyncio.run(_new_database(pg_server, TEMPLATE))
+    try:
+        yield with_database(pg_server, name)
+    finally:
+        asyncio.run(_drop(pg_server, name))
+
+
+def test_row_state_machine(machine_dsn: str) -> None:
+    world = World(machine_dsn)
+    try:
+        run_state_machine_as_test(
+            make_machine(world),
+            settings=settings(
+                max_examples=300,
+                stateful_step_count=40,
+                deadline=None,
+                suppress_health_check=[HealthCheck.too_slow],
+            ),
+        )
+    finally:
+        world.close()
+    print(f"\n[state machine] {dict(STEPS)}")
