@@ -313,6 +313,11 @@ class Queries:
         return f"TRUNCATE {self.qualified} RESTART IDENTITY"
 
     @property
+    def not_demo_events(self) -> str:
+        # rows `aiooutbox demo` did not write: it marks its own with this header
+        return f"""SELECT count(*) FROM {self.qualified} WHERE NOT headers @> '{{"demo": true}}'"""
+
+    @property
     def dead_list(self) -> str:
         # $1 topic or NULL, $2 limit
         return (

@@ -13,16 +13,25 @@ import asyncpg
 import pytest
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+CLI_DOC = README.parent / "docs" / "cli.md"
 
 
-def _blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", README.read_text(), flags=re.S)
+def _blocks(language: str, path: Path = README) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", path.read_text(), flags=re.S)
 
 
-@pytest.mark.parametrize("index", range(len(_blocks("python"))))
-async def test_python_snippet_runs(index: int, dsn: str, tmp_path: Path) -> None:
+SNIPPETS = [
+    (path.name, index)
+    for path in (README, CLI_DOC)
+    for index in range(len(_blocks("python", path)))
+]
+
+
+@pytest.mark.parametrize(("doc", "index"), SNIPPETS)
+async def test_python_snippet_runs(doc: str, index: int, dsn: str, tmp_path: Path) -> None:
+    path = README if doc == README.name else CLI_DOC
     script = tmp_path / f"snippet_{index}.py"
-    script.write_text(_blocks("python")[index])
+    script.write_text(_blocks("python", path)[index])
     env = {**os.environ, "AIOOUTBOX_DSN": dsn}
     proc = await asyncio.create_subprocess_exec(
         sys.executable,

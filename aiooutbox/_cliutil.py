@@ -1,0 +1,293 @@
+"""Building blocks of the command line: errors, argument types, option groups, connections.
+
+Argument types also convert defaults taken from the environment, so a bad
+``$AIOOUTBOX_...`` value is reported like a bad flag, naming the variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import inspect
+import json
+import logging
+import os
+import re
+import sys
+import textwrap
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, NoReturn
+from urllib.parse import urlsplit, urlunsplit
+
+import anyio
+import asyncpg
+
+from . import _logging, admin, embedded
+from ._sql import _MAX_TABLE, validate_identifier
+from .errors import InvalidArgument
+from .migrations import check_schema
+
+logger = logging.getLogger("aiooutbox.cli")
+
+CONNECT_TIMEOUT = 5.0
+
+
+class UsageError(Exception):
+    """Bad input from the command line: exit status 2."""
+
+
+class CommandError(Exception):
+    """The command could not do its job: exit status 1."""
+
+
+# -- argument types (also applied to defaults taken from the environment) -------------
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(name) or default
+
+
+def env_default(name: str, convert: Callable[[str], Any], fallback: str | None) -> Any:
+    """``$name`` converted (a bad value is a usage error naming it), else ``fallback``."""
+    value = _env(name)
+    if value is None:
+        return fallback  # argparse converts a string default itself
+    try:
+        return convert(value)
+    except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
+        raise UsageError(f"${name}: {exc}") from None
+
+
+def env_flag(name: str) -> bool:
+    value = (_env(name) or "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise UsageError(f"${name} must be 1/0, true/false, yes/no or on/off, not {value!r}")
+
+
+def _argument_type(func: Callable[[str], Any], name: str) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            return func(text)
+        except (ValueError, TypeError) as exc:  # InvalidArgument is a ValueError
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = name
+    return convert
+
+
+def _positive_int(text: str) -> int:
+    if not re.fullmatch(r"\s*\d+\s*", text) or int(text) < 1:
+        raise InvalidArgument(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def _choice(*options: str) -> Callable[[str], str]:
+    def check(text: str) -> str:
+        if text.lower() not in options:
+            raise InvalidArgument(f"expected one of {', '.join(options)}, got {text!r}")
+        return text.lower()
+
+    return check
+
+
+def _topic_list(text: str) -> list[str]:
+    topics = [t.strip() for t in text.split(",") if t.strip()]
+    if not topics:
+        raise InvalidArgument("expected comma-separated topic names")
+    return topics
+
+
+def _json_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"invalid JSON {_clip(text)!r}: {exc}") from None
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    value = _json_value(text)
+    if not isinstance(value, dict):
+        raise InvalidArgument(f'expected a JSON object like \'{{"key": "value"}}\', got {text!r}')
+    return value
+
+
+def _clip(text: str, width: int = 60) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+POSITIVE_INT = _argument_type(_positive_int, "positive_int")
+DURATION = _argument_type(admin.parse_duration, "duration")
+TOPICS = _argument_type(_topic_list, "topics")
+JSON = _argument_type(_json_value, "json")
+JSON_OBJECT = _argument_type(_json_object, "json_object")
+SCHEMA = _argument_type(lambda s: validate_identifier("schema", s), "schema")
+TABLE = _argument_type(lambda s: validate_identifier("table", s, _MAX_TABLE), "table")
+
+
+def choices(*options: str) -> Callable[[str], str]:
+    """An argument type accepting one of ``options``, in any case."""
+    return _argument_type(_choice(*options), "choice")
+
+
+LEVEL = choices(*_logging.LEVELS)
+LOG_FORMAT = choices("text", "json")
+
+
+# -- parser building -------------------------------------------------------------------
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """Two lines instead of the usage wall: what is wrong, and where help is."""
+        self.exit(2, f"{self.prog}: error: {message}\n(see `{self.prog} --help`)\n")
+
+
+class Formatter(argparse.RawDescriptionHelpFormatter):
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=32, width=100)
+
+
+def add_database_options(
+    parser: argparse.ArgumentParser, *, table: str | None = None, dsn: bool = True
+) -> None:
+    group = parser.add_argument_group("database")
+    if dsn:
+        group.add_argument(
+            "--dsn",
+            default=_env("AIOOUTBOX_DSN") or _env("DATABASE_URL"),
+            help="PostgreSQL DSN, postgresql://user:password@host:port/database "
+            "(env AIOOUTBOX_DSN, then DATABASE_URL; without one: the embedded server)",
+        )
+        group.add_argument(
+            "--schema",
+            type=SCHEMA,
+            default=env_default("AIOOUTBOX_SCHEMA", SCHEMA, "public"),
+            help="schema of the outbox table (env AIOOUTBOX_SCHEMA; default public)",
+        )
+        if table is None:
+            group.add_argument(
+                "--table",
+                type=TABLE,
+                default=env_default("AIOOUTBOX_TABLE", TABLE, "outbox_events"),
+                help="outbox table (env AIOOUTBOX_TABLE; default outbox_events)",
+            )
+        else:
+            group.add_argument("--table", type=TABLE, default=table, help=f"default {table}")
+    group.add_argument(
+        "--data-dir",
+        type=Path,
+        default=_env("AIOOUTBOX_DATA_DIR", str(embedded.DEFAULT_DATA_DIR)),
+        help="data directory of the embedded server (env AIOOUTBOX_DATA_DIR; "
+        f"default ./{embedded.DEFAULT_DATA_DIR.as_posix()})",
+    )
+
+
+def add_logging_options(parser: argparse.ArgumentParser, level: str) -> None:
+    group = parser.add_argument_group("logging")
+    group.add_argument(
+        "--log-level",
+        metavar="{" + ",".join(_logging.LEVELS) + "}",
+        type=LEVEL,
+        default=env_default("AIOOUTBOX_LOG_LEVEL", LEVEL, level),
+        help=f"(env AIOOUTBOX_LOG_LEVEL; default {level})",
+    )
+    group.add_argument(
+        "--log-format",
+        metavar="{text,json}",
+        type=LOG_FORMAT,
+        default=env_default("AIOOUTBOX_LOG_FORMAT", LOG_FORMAT, "text"),
+        help="text, or one JSON object per line (env AIOOUTBOX_LOG_FORMAT; default text)",
+    )
+
+
+def add_command(
+    commands: Any, name: str, summary: str, examples: str, notes: str = ""
+) -> argparse.ArgumentParser:
+    description = summary[0].upper() + summary[1:] + "."
+    parser: argparse.ArgumentParser = commands.add_parser(
+        name,
+        help=summary,
+        description=description + ("\n\n" + inspect.cleandoc(notes) if notes else ""),
+        epilog="examples:\n" + textwrap.indent(inspect.cleandoc(examples), "  "),
+        formatter_class=Formatter,
+    )
+    return parser
+
+
+# -- connecting ---------------------------------------------------------------------------
+def redact(dsn: str) -> str:
+    """``dsn`` with any password replaced by ``***``."""
+    dsn = re.sub(r"(password=)[^&\s]*", r"\1***", dsn)
+    try:
+        parts = urlsplit(dsn)
+        password = parts.password
+    except ValueError:
+        return dsn
+    if not password:
+        return dsn
+    user, _, host = parts.netloc.rpartition("@")
+    return urlunsplit(parts._replace(netloc=user.split(":", 1)[0] + ":***@" + host))
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+        return f"no answer within {CONNECT_TIMEOUT:g}s"
+    if isinstance(exc, ConnectionRefusedError):
+        return f"{exc} (is PostgreSQL running there?)"
+    return str(exc) or type(exc).__name__
+
+
+async def resolve_dsn(args: argparse.Namespace, *, log: bool = False) -> str:
+    """``--dsn`` (or its environment variables), else the embedded server's DSN, announced."""
+    if args.dsn:
+        dsn: str = args.dsn
+        return dsn
+    dsn = await embedded.ensure(args.data_dir)
+    note = f"using the embedded PostgreSQL in {args.data_dir}: {dsn}"
+    if log:  # a runner: say it once, with how to stop the server
+        logger.info("%s (it keeps running; `%s embedded stop` stops it)", note, args.prog)
+    else:
+        print(f"{args.prog}: {note}", file=sys.stderr)
+    return dsn
+
+
+async def connect(dsn: str) -> Any:
+    """One connection, or a one-line `CommandError` within `CONNECT_TIMEOUT` seconds."""
+    try:
+        return await asyncpg.connect(dsn, timeout=CONNECT_TIMEOUT)
+    except Exception as exc:
+        raise CommandError(f"cannot connect to {redact(dsn)}: {_reason(exc)}") from None
+
+
+@contextlib.asynccontextmanager
+async def database(args: argparse.Namespace, *, check: bool = True) -> AsyncIterator[Any]:
+    """A connection to the configured database, its outbox schema checked."""
+    conn = await connect(await resolve_dsn(args))
+    try:
+        if check:
+            await check_schema(conn, schema=args.schema, table=args.table)
+        yield conn
+    finally:
+        with anyio.CancelScope(shield=True):
+            await conn.close(timeout=5)
+
+
+@contextlib.asynccontextmanager
+async def open_pool(dsn: str) -> AsyncIterator[asyncpg.Pool]:
+    """A small pool, closed on exit.
+
+    A consumer claims, settles and maintains on up to four connections at once; its
+    LISTEN connection is its own.
+    """
+    try:
+        pool = await asyncpg.create_pool(dsn, min_size=1, max_size=5, timeout=CONNECT_TIMEOUT)
+    except Exception as exc:
+        raise CommandError(f"cannot connect to {redact(dsn)}: {_reason(exc)}") from None
+    try:
+        yield pool
+    finally:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(10) as scope:
+            await pool.close()
+        if scope.cancelled_caught:
+            pool.terminate()

@@ -1,0 +1,182 @@
+"""``python -m aiooutbox run``: load the handlers, connect, consume until signalled."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import inspect
+import logging
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Mapping
+from typing import Any
+
+from ._cliutil import CommandError, UsageError, open_pool, redact, resolve_dsn
+from .consumer import OutboxConsumer
+from .handlers import Handler, resolve_handlers
+from .migrations import migrate
+
+__all__ = ["cmd_run", "load_handlers"]
+
+logger = logging.getLogger("aiooutbox.cli")
+
+
+def _where(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+
+
+async def load_handlers(spec: str) -> dict[str, Handler]:
+    """Import ``module.path:attribute`` and validate it as handlers; raise `UsageError`."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise UsageError(f"expected MODULE:HANDLERS such as myapp.jobs:handlers, got {spec!r}")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # the console script does not add it, python -m does
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if module_name == missing or module_name.startswith(missing + "."):
+            raise UsageError(
+                f"cannot import {module_name!r}: no module named {missing!r} "
+                "(run from the directory that holds it, or set PYTHONPATH)"
+            ) from None
+        raise UsageError(f"importing {module_name!r} failed: {exc}{_where(exc)}") from None
+    except Exception as exc:
+        raise UsageError(
+            f"importing {module_name!r} failed: {type(exc).__name__}: {exc}{_where(exc)}"
+        ) from None
+    for name in attribute.split("."):
+        try:
+            target = getattr(target, name)
+        except AttributeError:
+            raise UsageError(f"module {module_name!r} has no attribute {attribute!r}") from None
+    if not isinstance(target, Mapping) and callable(target):
+        try:
+            target = target()
+            if inspect.isawaitable(target):
+                target = await target
+        except Exception as exc:
+            raise CommandError(
+                f"calling {spec}() failed: {type(exc).__name__}: {exc}{_where(exc)}"
+            ) from None
+    if not isinstance(target, Mapping):
+        raise UsageError(
+            f"{spec} is of type {type(target).__name__}; expected a mapping of topic to async "
+            "handler, an aiooutbox.Router, or a zero-argument function returning one"
+        )
+    try:
+        return resolve_handlers(target)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"{spec}: {exc}") from None
+
+
+class _Signals:
+    """SIGTERM/SIGINT: the first stops gracefully, the second fast, the third exits now.
+
+    Before the consumer exists, a signal cancels start-up instead.
+    """
+
+    def __init__(self) -> None:
+        self.received = 0
+        self.consumer: OutboxConsumer | None = None
+        self._task = asyncio.current_task()
+        self._loop = asyncio.get_running_loop()
+
+    def __enter__(self) -> _Signals:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._loop.add_signal_handler(sig, self._received, sig)
+            except (NotImplementedError, RuntimeError):  # Windows
+                signal.signal(sig, lambda s, _f: self._loop.call_soon_threadsafe(self._received, s))
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                self._loop.remove_signal_handler(sig)
+
+    def _received(self, sig: int) -> None:
+        self.received += 1
+        name = signal.Signals(sig).name
+        if self.consumer is None:
+            logger.info("%s received during start-up: stopping", name)
+            if self._task is not None:
+                self._task.cancel()
+        elif self.received == 1:
+            logger.info(
+                "%s received: finishing running handlers, then exiting (again to stop now)", name
+            )
+            self.consumer.stop()
+        elif self.received == 2:
+            logger.warning("%s received again: cancelling running handlers, releasing events", name)
+            self.consumer.stop()
+        else:
+            logger.error("%s received a third time: exiting now; leases will expire", name)
+            os._exit(130)
+
+
+async def cmd_run(args: argparse.Namespace) -> int:
+    handlers = await load_handlers(args.handlers)
+    if args.topics:
+        unknown = sorted(set(args.topics) - handlers.keys())
+        if unknown:
+            raise UsageError(
+                f"--topics {','.join(unknown)}: no handler in {args.handlers} "
+                f"(it handles {', '.join(sorted(handlers))})"
+            )
+    if args.batch_size and args.batch_size > args.concurrency:
+        raise UsageError(f"--batch-size {args.batch_size} exceeds --concurrency")
+    if args.lease_timeout < 1:
+        raise UsageError("--lease-timeout must be at least 1s")
+    if args.poll_interval < 0.01:
+        raise UsageError("--poll-interval must be at least 10ms")
+    with _Signals() as signals:
+        try:
+            return await _serve(args, handlers, signals)
+        except asyncio.CancelledError:
+            if not signals.received:
+                raise
+            return 0
+
+
+async def _serve(args: argparse.Namespace, handlers: dict[str, Handler], signals: _Signals) -> int:
+    dsn = await resolve_dsn(args, log=True)
+    async with open_pool(dsn) as pool:
+        if args.migrate:
+            applied = await migrate(pool, schema=args.schema, table=args.table)
+            logger.info("schema %s", f"migrated to {applied}" if applied else "up to date")
+        consumer = OutboxConsumer(
+            pool,
+            concurrency=args.concurrency,
+            batch_size=args.batch_size,
+            topics=args.topics,
+            poll_interval=args.poll_interval,
+            lease_timeout=args.lease_timeout,
+            shutdown_grace=args.shutdown_grace,
+            schema=args.schema,
+            table=args.table,
+        )
+        async with consumer:
+            signals.consumer = consumer
+            logger.info(
+                "consuming %s from %s with concurrency %d",
+                ", ".join(sorted(args.topics or handlers)),
+                redact(dsn),
+                args.concurrency,
+            )
+            try:
+                await consumer.run(handlers)
+            except (Exception, SystemExit, KeyboardInterrupt) as exc:
+                logger.error("consumer failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+                return 1
+    s = consumer.stats
+    logger.info(
+        "stopped: %d done, %d retried, %d dead, %d released", s.done, s.retried, s.dead, s.released
+    )
+    return 0

