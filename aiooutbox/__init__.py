@@ -9,7 +9,7 @@ from ._version import __version__
 from .consumer import ConsumerStats, OutboxConsumer
 from .errors import Dead, InvalidArgument, OutboxError, Retry, SchemaNotReady, SchemaTooNew
 from .events import Event, NewEvent
-from .handlers import Handler, Router
+from .handlers import Handler, HandlerFunc, Router
 from .migrations import check_schema, migrate, migration_sql
 from .producer import enqueue, enqueue_many
 from .retry import RetryPolicy
@@ -19,6 +19,7 @@ __all__ = [
     "Dead",
     "Event",
     "Handler",
+    "HandlerFunc",
     "InvalidArgument",
     "NewEvent",
     "OutboxConsumer",

@@ -541,7 +541,7 @@ class OutboxConsumer:
                 header_map = decode_json(headers) if headers != "{}" else {}
             except Exception as exc:
                 self._record_failure(event_id, topic, attempts, max_attempts, exc)
-                self._finished(event_id)
+                self._finished(event_id, attempts)
                 continue
             send.send_nowait(
                 Event(
@@ -649,10 +649,13 @@ class OutboxConsumer:
                 self._settler.done(event.id, event.attempts)
                 self.stats.done += 1
         finally:
-            self._finished(event.id)
+            self._finished(event.id, event.attempts)
 
-    def _finished(self, event_id: int) -> None:
-        self._held.pop(event_id, None)
+    def _finished(self, event_id: int, attempts: int) -> None:
+        held = self._held.get(event_id)
+        # if this consumer re-claimed the row after losing its lease, keep the newer claim
+        if held is not None and held[0] == attempts:
+            del self._held[event_id]
         self.stats.in_flight -= 1
         self._slot_freed.set()
 
