@@ -160,6 +160,14 @@ class Queries:
     @property
     def claim(self) -> str:
         # $1 worker id, $2 lease seconds, $3 topics, $4 limit
+        return self._claim("")
+
+    @property
+    def claim_after(self) -> str:
+        # the claim, starting after a watermark: $5 available_at, $6 id
+        return self._claim(" AND (c.available_at, c.id) > ($5::timestamptz, $6::bigint)")
+
+    def _claim(self, lower_bound: str) -> str:
         return (
             f"UPDATE {self.qualified} AS e SET status = 'processing',"
             " attempts = e.attempts + 1, locked_by = $1, locked_at = now(),"
@@ -167,10 +175,10 @@ class Queries:
             " WHERE e.id = ANY (ARRAY("
             f"  SELECT c.id FROM {self.qualified} AS c"
             "   WHERE c.status IN ('pending', 'retry') AND c.available_at <= now()"
-            "   AND c.topic = ANY ($3::text[])"
+            f"   AND c.topic = ANY ($3::text[]){lower_bound}"
             "   ORDER BY c.available_at, c.id LIMIT $4 FOR UPDATE SKIP LOCKED))"
             " RETURNING e.id, e.topic, e.payload::text, e.dedupe_key, e.headers::text,"
-            " e.attempts, e.max_attempts, e.created_at"
+            " e.attempts, e.max_attempts, e.created_at, e.available_at"
         )
 
     @property

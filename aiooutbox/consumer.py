@@ -20,7 +20,7 @@ import traceback
 import uuid
 from collections.abc import Awaitable, Collection, Mapping
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import anyio
@@ -28,10 +28,10 @@ import asyncpg
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ._codec import Decoder, decode_json
 from ._db import TRANSIENT_ERRORS, pool_is_closed
+from ._handoff import Handoff
 from ._listener import Listener
 from ._settler import Failure, Settler
 from ._sql import DEFAULT_SCHEMA, DEFAULT_TABLE, queries
@@ -49,6 +49,7 @@ _MAX_ERROR = 4000
 # After an empty claim, look again after these pauses before declaring idle, so that
 # under steady load a consumer never waits on NOTIFY (and producers never pay for it).
 _LINGER = (0.002, 0.004, 0.008, 0.016, 0.032)
+_FULL_CLAIM_EVERY = 0.25
 
 
 @dataclass
@@ -212,6 +213,8 @@ class OutboxConsumer:
         self._handlers: dict[str, Handler] = {}
         self._topics: list[str] = []
         self._held: dict[int, tuple[int, float]] = {}  # id -> (attempts, lease extended at)
+        self._watermark: tuple[datetime, int] | None = None  # see _claim
+        self._full_claim_at = 0.0
         self._wake = asyncio.Event()
         self._slot_freed = asyncio.Event()
         self._stop_event = asyncio.Event()
@@ -391,24 +394,22 @@ class OutboxConsumer:
             services.start_soon(settler.run)
             services.start_soon(self._heartbeat_loop)
             services.start_soon(self._maintenance_loop)
-            send, receive = anyio.create_memory_object_stream[Event](self._concurrency)
+            handoff: Handoff[Event] = Handoff()
             try:
                 async with anyio.create_task_group() as workers:
                     self._workers_scope = workers.cancel_scope
                     if self._hurry:
                         workers.cancel_scope.cancel()
                     for _ in range(self._concurrency):
-                        workers.start_soon(self._worker, receive.clone())
-                    receive.close()
+                        workers.start_soon(self._worker, handoff)
                     try:
-                        await self._dispatch(send)
+                        await self._dispatch(handoff)
                     finally:
-                        send.close()
+                        handoff.close()
                     await self._drain()
                     workers.cancel_scope.cancel()
             finally:
-                send.close()
-                receive.close()
+                handoff.close()
                 await settler.close(timeout=max(self._timeout, 5.0))
                 with anyio.CancelScope(shield=True):
                     await self._forget_idle()
@@ -439,7 +440,7 @@ class OutboxConsumer:
                 self.stats.in_flight,
             )
 
-    async def _dispatch(self, send: MemoryObjectSendStream[Event]) -> None:
+    async def _dispatch(self, handoff: Handoff[Event]) -> None:
         backoff = 0.05
         linger = 0
         idle = False
@@ -475,10 +476,12 @@ class OutboxConsumer:
                 continue
             backoff = 0.05
             if rows:
+                # start the handlers first: the advert only gates NOTIFY, and a stale
+                # one for a round trip costs at most one extra notification
+                self._hand_out(rows, handoff)
                 if idle:
                     idle = False
                     await self._declare(busy=True)
-                self._hand_out(rows, send)
             full = len(rows) == want
             if full:
                 linger = 0
@@ -494,6 +497,9 @@ class OutboxConsumer:
                 # the listener reconnected: after a server crash the unlogged idle table
                 # is empty, so producers would notify nobody until we advertise again
                 idle = False
+            # leaving the fast path: the next claim starts from the oldest entry, so a row
+            # the watermark hid is never left waiting for a poll
+            self._full_claim_at = -math.inf
             if self._listen and not idle and self.listening:
                 # advertise, then look once more: an insert that committed before the
                 # advertisement saw no idle consumer and sent no notification
@@ -506,16 +512,32 @@ class OutboxConsumer:
                 idle = await self._declare(busy=False)  # refresh before it expires
 
     async def _claim(self, want: int) -> list[Any]:
+        """Claim up to ``want`` rows, usually starting after the last claim's watermark.
+
+        Every row that leaves 'pending' leaves a dead entry at the head of the claimable
+        index until VACUUM, so a claim that always starts from the oldest entry walks
+        more of them with every event handled. Most claims therefore start after the
+        ``(available_at, id)`` of the oldest row the previous claim returned; a full
+        claim at least every ``_FULL_CLAIM_EVERY`` seconds catches rows the watermark
+        hides (a producer transaction that committed late with an older ``now()``, rows
+        another consumer skipped or released), so their extra delay is bounded by it.
+        """
+        now = time.monotonic()
+        args: tuple[Any, ...] = (self.worker_id, self._lease_timeout, self._topics, want)
+        full = self._watermark is None or now - self._full_claim_at >= _FULL_CLAIM_EVERY
+        if full:
+            sql = self._q.claim
+            self._full_claim_at = now
+        else:
+            sql = self._q.claim_after
+            args += self._watermark  # type: ignore[operator]
         async with self._pool.acquire(timeout=self._timeout) as conn:
-            rows: list[Any] = await conn.fetch(
-                self._q.claim,
-                self.worker_id,
-                self._lease_timeout,
-                self._topics,
-                want,
-                timeout=self._timeout,
-            )
+            rows: list[Any] = await conn.fetch(sql, *args, timeout=self._timeout)
         self.stats.claims += 1
+        if rows:
+            oldest = min((r[8], r[0]) for r in rows)
+            if full or self._watermark is None or oldest > self._watermark:
+                self._watermark = oldest
         return rows
 
     async def _sql(self, method: str, query: str, *args: Any) -> Any:
@@ -529,11 +551,11 @@ class OutboxConsumer:
         async with self._pool.acquire(timeout=self._timeout) as conn:
             return await getattr(conn, method)(query, *args, timeout=self._timeout)
 
-    def _hand_out(self, rows: list[Any], send: MemoryObjectSendStream[Event]) -> None:
+    def _hand_out(self, rows: list[Any], handoff: Handoff[Event]) -> None:
         now = time.monotonic()
         self.stats.claimed += len(rows)
         for row in rows:
-            event_id, topic, payload, dedupe_key, headers, attempts, max_attempts, created = row
+            event_id, topic, payload, dedupe_key, headers, attempts, max_attempts, created, _ = row
             self.stats.in_flight += 1
             self._held[event_id] = (attempts, now)
             try:
@@ -543,7 +565,7 @@ class OutboxConsumer:
                 self._record_failure(event_id, topic, attempts, max_attempts, exc)
                 self._finished(event_id, attempts)
                 continue
-            send.send_nowait(
+            handoff.put(
                 Event(
                     event_id,
                     topic,
@@ -595,10 +617,9 @@ class OutboxConsumer:
             await awaitable
 
     # -- running handlers ------------------------------------------------------------
-    async def _worker(self, receive: MemoryObjectReceiveStream[Event]) -> None:
-        async with receive:
-            async for event in receive:
-                await self._execute(event)
+    async def _worker(self, handoff: Handoff[Event]) -> None:
+        while (event := await handoff.get()) is not None:
+            await self._execute(event)
 
     async def _execute(self, event: Event) -> None:
         extra = {"event_id": event.id, "topic": event.topic, "attempt": event.attempts}

@@ -627,3 +627,36 @@ def test_retry_delays_are_bounded() -> None:
     with pytest.raises(aiooutbox.InvalidArgument):
         aiooutbox.RetryPolicy(max_delay=1e300)
     assert aiooutbox.Retry(delay=timedelta(minutes=1)).delay == 60.0
+
+
+async def test_late_committed_row_behind_the_watermark_is_not_starved(pool: asyncpg.Pool) -> None:
+    # a producer transaction that started before the backlog was enqueued: its row's
+    # available_at (the transaction's now()) sorts before every backlog row
+    late = await pool.acquire()
+    try:
+        tx = late.transaction()
+        await tx.start()
+        late_id = await aiooutbox.enqueue(late, "work", {"late": True})
+        await aiooutbox.enqueue_many(pool, [aiooutbox.NewEvent("work", i) for i in range(3000)])
+        handled: dict[int, float] = {}
+
+        async def handle(event: aiooutbox.Event) -> None:
+            handled[event.id] = time.monotonic()
+            await asyncio.sleep(0.01)
+
+        consumer = aiooutbox.OutboxConsumer(pool, concurrency=20)
+        async with running(consumer, {"work": handle}):
+            await wait_until(lambda: _has_at_least(handled, 300))
+            await tx.commit()
+            committed = time.monotonic()
+            await wait_until(lambda: _has(handled, late_id), timeout=10, interval=0.005)
+            # found by a full claim within ~250 ms, while the backlog is still draining
+            assert handled[late_id] - committed < 1.5
+            assert len(handled) < 3000
+            await wait_until(all_in(pool, "done", 3001), timeout=60)
+    finally:
+        await pool.release(late)
+
+
+async def _has_at_least(mapping: dict[int, float], count: int) -> bool:
+    return len(mapping) >= count

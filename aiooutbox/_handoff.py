@@ -1,0 +1,63 @@
+"""A minimal many-consumer channel from the dispatcher to the worker tasks.
+
+anyio's memory object streams cost several allocations and a checkpoint per item; in a
+no-op drain half the consumer's CPU went there. The dispatcher never sends more than the
+free slots, so the channel needs no bound: a deque, and a future per *waiting* worker. A
+worker whose handler did not suspend takes the next event without a trip through the
+event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Generic, TypeVar
+
+__all__ = ["Handoff"]
+
+T = TypeVar("T")
+
+
+class Handoff(Generic[T]):
+    def __init__(self) -> None:
+        self._items: deque[T] = deque()
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._closed = False
+
+    def put(self, item: T) -> None:
+        self._items.append(item)
+        self._wake_one()
+
+    def close(self) -> None:
+        """No more items: waiting workers return ``None`` once the queue is empty."""
+        self._closed = True
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _wake_one(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    async def get(self) -> T | None:
+        """The next item, or ``None`` once the channel is closed and drained."""
+        while not self._items:
+            if self._closed:
+                return None
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            except BaseException:
+                # cancelled after being woken: pass the wake-up on to another worker
+                if waiter.done() and not waiter.cancelled() and self._items:
+                    self._wake_one()
+                raise
+        item = self._items.popleft()
+        if self._items:
+            self._wake_one()
+        return item

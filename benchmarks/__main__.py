@@ -1,0 +1,116 @@
+"""``python -m benchmarks --dsn postgresql://postgres@127.0.0.1:5432/postgres [--quick]``
+
+Creates its own databases on that server (``<prefix>aiooutbox``, ``<prefix>pgqueuer``,
+``<prefix>aiooutbox_history``), runs the scenarios and writes results.json, results.md
+and PNG plots to ``--out``. The DSN needs the right to CREATE DATABASE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+from . import report
+from .scenarios import Bench, Config
+
+SCENARIOS = ("drain", "history", "steady", "wakeup", "producers")
+DEFAULT_OUT = Path("benchmarks/results")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--dsn", help="admin DSN of the server to benchmark on (required)")
+    parser.add_argument(
+        "--render",
+        type=Path,
+        metavar="RESULTS_JSON",
+        help="only re-render results.md and the plots from an earlier results.json",
+    )
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="tiny sizes (about a minute)")
+    size.add_argument(
+        "--full", action="store_true", help="more rounds, and PgQueuer at every backlog size"
+    )
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument(
+        "--only", nargs="+", choices=SCENARIOS, help="run only these scenarios (in this order)"
+    )
+    parser.add_argument("--no-tune", action="store_true", help="skip the settings search")
+    parser.add_argument("--prefix", default="bench_", help="prefix of the databases created")
+    parser.add_argument("--keep", action="store_true", help="keep the databases afterwards")
+    parser.add_argument(
+        "--patch",
+        type=Path,
+        help="a Python file each aiooutbox consumer child runs first, to measure an "
+        "experimental engine change (monkeypatch)",
+    )
+    parser.add_argument(
+        "--sql-patch",
+        type=Path,
+        help="an SQL file (with the migrations' {{schema}}/{{table}}/{{channel}} "
+        "placeholders) run on aiooutbox's databases after migrating, to measure an "
+        "experimental schema change",
+    )
+    parser.add_argument("--no-plots", action="store_true")
+    return parser.parse_args(argv)
+
+
+def config_from(args: argparse.Namespace) -> Config:
+    config = Config.quick() if args.quick else Config.full() if args.full else Config()
+    if args.only:
+        config.scenarios = list(args.only)
+    if args.no_tune:
+        config.tune = False
+    if args.patch:
+        config.patch = str(args.patch.resolve())
+    if args.sql_patch:
+        config.sql_patch = str(args.sql_patch.resolve())
+    return config
+
+
+async def amain(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+
+    def log(message: str) -> None:
+        print(f"[{time.perf_counter() - started:7.1f}s] {message}", flush=True)
+
+    bench = Bench(args.dsn, config_from(args), prefix=args.prefix, log=log)
+    try:
+        results = await bench.run()
+    finally:
+        if not args.keep:
+            await bench.cleanup()
+    paths = report.write(results, args.out, plots=not args.no_plots)
+    print()
+    print(paths["markdown"].read_text().split("\n## Drain")[0])
+    for kind, path in paths.items():
+        log(f"wrote {kind}: {path}")
+    return 0
+
+
+def render(args: argparse.Namespace) -> int:
+    results = json.loads(args.render.read_text())
+    out = args.out if args.out != DEFAULT_OUT else args.render.parent
+    for kind, path in report.write(results, out, plots=not args.no_plots).items():
+        print(f"wrote {kind}: {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.render:
+        return render(args)
+    if not args.dsn:
+        print("--dsn is required", file=sys.stderr)
+        return 2
+    return asyncio.run(amain(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

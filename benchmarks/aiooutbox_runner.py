@@ -1,0 +1,231 @@
+"""aiooutbox under benchmark: its database, loading, producers, and the child consumer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+import aiooutbox
+from aiooutbox._sql import queries
+
+from .common import TOPIC, recreate_database
+
+NAME = "aiooutbox"
+
+# best drain settings found on the 2-core machine (see docs/benchmarks.md)
+DEFAULT_SETTINGS: dict[str, Any] = {"concurrency": 500, "pool_size": 6}
+
+_CHUNK = 100_000
+
+
+class System:
+    """Parent-side handle on aiooutbox's benchmark database (default table names)."""
+
+    name = NAME
+
+    def __init__(self, admin_dsn: str, database: str, *, sql_patch: str | None = None) -> None:
+        self.admin_dsn = admin_dsn
+        self.database = database
+        self.sql_patch = sql_patch
+        self.dsn = ""
+        self.q = queries()
+        self.history_max_id = 0
+        self.channel = self.q.channel
+        self.short_poll: dict[str, Any] = {"poll_interval": 0.1}
+
+    async def setup(self) -> None:
+        self.dsn = await recreate_database(self.admin_dsn, self.database)
+        conn = await asyncpg.connect(self.dsn)
+        try:
+            await aiooutbox.migrate(conn)
+            if self.sql_patch:
+                # an experimental schema change to measure (see --sql-patch)
+                template = Path(self.sql_patch).read_text(encoding="utf-8")
+                await conn.execute(self.q.render(template))
+        finally:
+            await conn.close()
+
+    async def connect(self) -> asyncpg.Connection:
+        return await asyncpg.connect(self.dsn)
+
+    async def reset(self) -> None:
+        """Back to the starting state: empty, or only the history rows if there are any."""
+        conn = await self.connect()
+        try:
+            if self.history_max_id:
+                await conn.execute(
+                    f"DELETE FROM {self.q.qualified} WHERE id > $1", self.history_max_id
+                )
+            else:
+                await conn.execute(f"TRUNCATE {self.q.qualified} RESTART IDENTITY")
+            await conn.execute(f"TRUNCATE {self.q.idle_table}")
+            await conn.execute(f"VACUUM (ANALYZE) {self.q.qualified}")
+        finally:
+            await conn.close()
+
+    async def load(self, n: int, *, history: bool = False) -> None:
+        """Insert ``n`` no-op events (or ``done`` history rows) with plain SQL, then
+        VACUUM ANALYZE, as autovacuum would have after a load (it is off on our server)."""
+        if history:
+            columns = "topic, payload, status, attempts, locked_by, finished_at"
+            values = (
+                "'bench', jsonb_build_object('i', g), 'done', 1, 'history',"
+                " now() - interval '1 hour'"
+            )
+        else:
+            columns = "topic, payload"
+            values = "'bench', jsonb_build_object('i', g)"
+        conn = await self.connect()
+        try:
+            for start in range(0, n, _CHUNK):
+                stop = min(n, start + _CHUNK)
+                await conn.execute(
+                    f"INSERT INTO {self.q.qualified} ({columns})"
+                    f" SELECT {values} FROM generate_series($1::int, $2::int) AS g",
+                    start + 1,
+                    stop,
+                )
+            await conn.execute(f"VACUUM (ANALYZE) {self.q.qualified}")
+            if history:
+                self.history_max_id = int(
+                    await conn.fetchval(f"SELECT max(id) FROM {self.q.qualified}")
+                )
+        finally:
+            await conn.close()
+
+    async def produce_many(self, conn: asyncpg.Connection, count: int, sent: float) -> float:
+        """One transaction with ``count`` events, through the public API; returns the
+        wall time just before COMMIT was sent."""
+        event = aiooutbox.NewEvent(TOPIC, {"t": sent})
+        async with conn.transaction():
+            await aiooutbox.enqueue_many(conn, [event] * count)
+            committing = time.time()
+        return committing
+
+    async def produce_one(self, conn: asyncpg.Connection, sent: float) -> float:
+        """A producer's business transaction that writes one event; returns the wall
+        time just before COMMIT was sent."""
+        async with conn.transaction():
+            await aiooutbox.enqueue(conn, TOPIC, {"t": sent})
+            committing = time.time()
+        return committing
+
+    async def set_wakeup_trigger(self, enabled: bool) -> None:
+        action = "ENABLE" if enabled else "DISABLE"
+        conn = await self.connect()
+        try:
+            await conn.execute(
+                f'ALTER TABLE {self.q.qualified} {action} TRIGGER "{self.q.table}_wakeup"'
+            )
+        finally:
+            await conn.close()
+
+    async def counts(self) -> dict[str, int]:
+        conn = await self.connect()
+        try:
+            rows = await conn.fetch(
+                f"SELECT status::text, count(*) FROM {self.q.qualified} WHERE id > $1 GROUP BY 1",
+                self.history_max_id,
+            )
+        finally:
+            await conn.close()
+        return {r[0]: r[1] for r in rows}
+
+    async def backlog(self) -> int:
+        """Events not yet claimed."""
+        conn = await self.connect()
+        try:
+            count: int = await conn.fetchval(
+                f"SELECT count(*) FROM {self.q.qualified} WHERE status IN ('pending', 'retry')"
+            )
+        finally:
+            await conn.close()
+        return count
+
+    async def finished(self) -> int:
+        return (await self.counts()).get("done", 0)
+
+    async def explain_claim(self, *, analyze: bool = False) -> dict[str, Any]:
+        """The claim's plans (custom and generic, as asyncpg's prepared statement may use),
+        and whether both read the claimable partial index."""
+        index = f"{self.q.table}_claimable_idx"
+        args = ("bench-explain", 30.0, [TOPIC], 200)
+        conn = await self.connect()
+        try:
+            tr = conn.transaction()
+            await tr.start()
+            try:
+                # ANALYZE runs the UPDATE: the transaction is rolled back below
+                options = "ANALYZE, BUFFERS, " if analyze else ""
+                rows = await conn.fetch(f"EXPLAIN ({options}COSTS) {self.q.claim}", *args)
+                custom = "\n".join(r[0] for r in rows)
+                await conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+                await conn.execute(f"PREPARE bench_claim AS {self.q.claim}")
+                rows = await conn.fetch(
+                    "EXPLAIN EXECUTE bench_claim('bench-explain', 30.0, '{bench}', 200)"
+                )
+                generic = "\n".join(r[0] for r in rows)
+            finally:
+                await tr.rollback()
+        finally:
+            await conn.close()
+        return {
+            "index": index,
+            "custom_plan": custom,
+            "generic_plan": generic,
+            "uses_index": index in custom and index in generic,
+            "seq_scan": "Seq Scan" in custom or "Seq Scan" in generic,
+        }
+
+
+async def consume(dsn: str, settings: dict[str, Any], recorder: Any, stop: asyncio.Event) -> None:
+    """Child side: run an OutboxConsumer with a no-op handler until ``stop``."""
+    pool_size = int(settings.get("pool_size", 6))
+    options: dict[str, Any] = {
+        "concurrency": int(settings.get("concurrency", 500)),
+        "listen": bool(settings.get("listen", True)),
+    }
+    for key in ("batch_size", "poll_interval"):
+        if settings.get(key) is not None:
+            options[key] = settings[key]
+
+    if recorder.latency:
+
+        async def handler(event: aiooutbox.Event) -> None:
+            recorder.hit(event.payload["t"])
+
+    else:
+
+        async def handler(event: aiooutbox.Event) -> None:
+            recorder.count()
+
+    copies = int(settings.get("consumers", 1))
+    async with asyncpg.create_pool(dsn, min_size=pool_size, max_size=pool_size) as pool:
+        consumers = [aiooutbox.OutboxConsumer(pool, **options) for _ in range(copies)]
+        for consumer in consumers:
+            await consumer.__aenter__()
+
+        async def watch() -> None:
+            while not all(c.running for c in consumers) or (
+                options["listen"] and not all(c.listening for c in consumers)
+            ):
+                await asyncio.sleep(0.005)
+            recorder.ready.set()
+            await stop.wait()
+            for consumer in consumers:
+                consumer.stop()
+
+        watcher = asyncio.ensure_future(watch())
+        recorder.started()
+        try:
+            await asyncio.gather(*(c.run({TOPIC: handler}) for c in consumers))
+        finally:
+            watcher.cancel()
+            for consumer in consumers:
+                await consumer.__aexit__(None, None, None)
+        stats = [vars(c.stats) for c in consumers]
+        recorder.extra["stats"] = {k: sum(s[k] for s in stats) for k in stats[0]}

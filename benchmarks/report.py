@@ -1,0 +1,413 @@
+"""Results out: the JSON document, a markdown summary with the targets, PNG plots.
+
+Plotting needs matplotlib (the ``bench`` extra) and is imported only by `plot`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+AIO = "aiooutbox"
+PGQ = "pgqueuer"
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not (isinstance(value, float) and math.isnan(value)):
+        return float(value)
+    return None
+
+
+def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, each with what this run measured and whether it holds."""
+    out: list[dict[str, Any]] = []
+
+    def add(
+        what: str, target: str, measured: float | None, ok: bool | None, note: str = ""
+    ) -> None:
+        out.append(
+            {
+                "what": what,
+                "target": target,
+                "measured": None if measured is None else round(measured, 3),
+                "ok": ok,
+                "note": note,
+            }
+        )
+
+    drain = results.get("drain", {}).get("summary", {})
+    if drain:
+        sizes = sorted(int(s) for s in drain)
+        small, large = str(sizes[0]), str(sizes[-1])
+        r = _num(drain[small].get("ratio"))
+        add(
+            f"drain {int(small):,} no-op events, aiooutbox / PgQueuer",
+            ">= 3.0",
+            r,
+            None if r is None else r >= 3.0,
+        )
+        a_small, a_large = _num(drain[small].get(AIO)), _num(drain[large].get(AIO))
+        r = a_large / a_small if a_small and a_large else None
+        add(
+            f"drain rate at {int(large):,} vs {int(small):,} backlog (aiooutbox)",
+            ">= 0.8",
+            r,
+            None if r is None else r >= 0.8,
+        )
+        mid = [s for s in sizes if drain[str(s)].get(PGQ)]
+        if len(mid) > 1:
+            p_small, p_large = drain[str(mid[0])][PGQ], drain[str(mid[-1])][PGQ]
+            add(
+                f"(for scale) PgQueuer at {mid[-1]:,} vs {mid[0]:,}",
+                "-",
+                p_large / p_small,
+                None,
+            )
+    producers = results.get("producers", {}).get(AIO, {}).get("levels", {})
+    level = producers.get("32") or (producers[max(producers, key=int)] if producers else None)
+    if level and "ratio" in level:
+        r = _num(level["ratio"])
+        label = "32" if "32" in producers else max(producers, key=int)
+        add(
+            f"producer commits/s, {label} producers + consumer, trigger on / off",
+            ">= 0.9",
+            r,
+            None if r is None else r >= 0.9,
+        )
+    wake = results.get("wakeup", {}).get("aiooutbox_notify", {}).get("latency_ms", {})
+    if wake.get("n"):
+        add("idle wake-up p50 (ms, COMMIT -> handler)", "<= 3", wake["p50"], wake["p50"] <= 3)
+        add("idle wake-up p99 (ms, COMMIT -> handler)", "<= 15", wake["p99"], wake["p99"] <= 15)
+    for run in results.get("steady", []):
+        if run["system"] == AIO and run["fraction"] == 0.5 and run["latency_ms"].get("n"):
+            p99 = run["latency_ms"]["p99"]
+            add("steady state at 50% of max, e2e p99 (ms)", "<= 20", p99, p99 <= 20)
+    history = results.get("history", {}).get("summary")
+    if history:
+        r = _num(history.get("ratio"))
+        add(
+            f"drain with {results['history']['rows']:,} done rows / empty table",
+            ">= 0.8",
+            r,
+            None if r is None else r >= 0.8,
+        )
+        plan = results["history"]["explain"]
+        add(
+            "claim plan (custom and generic) on the claimable partial index",
+            "yes",
+            None,
+            bool(plan["uses_index"]),
+        )
+    rss = results.get("rss", {}).get(AIO)
+    if rss:
+        add(
+            f"consumer RSS growth over {rss['events']:,} events (MB)",
+            "<= 20",
+            rss["growth_mb"],
+            rss["growth_mb"] <= 20,
+        )
+    return out
+
+
+def _fmt(value: Any, digits: int = 0) -> str:
+    number = _num(value)
+    if number is None:
+        return "-" if value is None else str(value)
+    return f"{number:,.{digits}f}"
+
+
+def _loads(values: Any) -> str:
+    return " / ".join(f"{v:.1f}" for v in values) if values else "?"
+
+
+def _ok(value: bool | None) -> str:
+    return {True: "✅", False: "❌", None: "-"}[value]
+
+
+def markdown(results: dict[str, Any]) -> str:
+    lines: list[str] = []
+    meta = results.get("meta", {})
+    settings = results.get("settings", {})
+    lines += ["## Targets", "", "| what | target | measured | ok |", "|---|---|---|---|"]
+    for t in results.get("targets") or targets(results):
+        lines.append(f"| {t['what']} | {t['target']} | {_fmt(t['measured'], 2)} | {_ok(t['ok'])} |")
+
+    drain = results.get("drain", {}).get("summary", {})
+    if drain:
+        lines += [
+            "",
+            "## Drain throughput (events/s, median of rounds)",
+            "",
+            "| backlog | aiooutbox | PgQueuer | aiooutbox / PgQueuer | rounds |",
+            "|---:|---:|---:|---:|---|",
+        ]
+        for size, row in sorted(drain.items(), key=lambda kv: int(kv[0])):
+            lines.append(
+                f"| {int(size):,} | {_fmt(row[AIO])} | {_fmt(row[PGQ])} "
+                f"| {_fmt(row['ratio'], 2) + 'x' if row['ratio'] else '-'} "
+                f"| {row[f'{AIO}_rounds']} / {row[f'{PGQ}_rounds']} |"
+            )
+        runs = results["drain"]["runs"]
+        lines += [
+            "",
+            "CPU per event in the drains (median of all sizes; client = the consumer process,"
+            " db = the server backends of its database):",
+            "",
+            "| system | client CPU µs / event | db CPU µs / event |",
+            "|---|---:|---:|",
+        ]
+        for name in (AIO, PGQ):
+            mine = [r for r in runs if r["system"] == name]
+            if not mine:
+                continue
+            client = sorted(1e6 * r["client_cpu_s"] / r["size"] for r in mine)
+            db = sorted(1e6 * r["db_cpu_s"] / r["size"] for r in mine if r["db_cpu_s"])
+            lines.append(
+                f"| {name} | {_fmt(client[len(client) // 2], 1)} | "
+                f"{_fmt(db[len(db) // 2] if db else None, 1)} |"
+            )
+
+    steady = results.get("steady", [])
+    if steady:
+        lines += [
+            "",
+            "## Steady state (paced producers; ms from the producer's COMMIT to handler start)",
+            "",
+            "| system | load | offered/s | p50 | p95 | p99 | p99 from BEGIN | producer tx p50 "
+            "| catch-up s | keeps up |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        for run in steady:
+            lat = run["latency_ms"]
+            load = "fixed" if run["fraction"] is None else f"{run['fraction']:.0%} of max"
+            lines.append(
+                f"| {run['system']} | {load} | {_fmt(run['achieved_offered_rate'])} "
+                f"| {_fmt(lat.get('p50'), 1)} | {_fmt(lat.get('p95'), 1)} "
+                f"| {_fmt(lat.get('p99'), 1)} "
+                f"| {_fmt(run.get('latency_from_begin_ms', {}).get('p99'), 1)} "
+                f"| {_fmt(run['producer_statement_ms'].get('p50'), 1)} "
+                f"| {_fmt(run['catch_up_s'], 2)} | {_ok(run['keeps_up'])} |"
+            )
+
+    wake = results.get("wakeup", {})
+    if wake:
+        lines += [
+            "",
+            "## Idle wake-up (one event into an idle consumer; ms from the producer's COMMIT)",
+            "",
+            "| mode | n | p50 | p95 | p99 | max | p50 from BEGIN | producer tx p50 |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for mode, row in wake.items():
+            lat = row["latency_ms"]
+            lines.append(
+                f"| {mode} | {lat.get('n', 0)} | {_fmt(lat.get('p50'), 1)} "
+                f"| {_fmt(lat.get('p95'), 1)} | {_fmt(lat.get('p99'), 1)} "
+                f"| {_fmt(lat.get('max'), 1)} "
+                f"| {_fmt(row.get('latency_from_begin_ms', {}).get('p50'), 1)} "
+                f"| {_fmt(row['producer_transaction_ms'].get('p50'), 1)} |"
+            )
+
+    producers = results.get("producers", {})
+    if producers:
+        lines += [
+            "",
+            "## Producer cost (one-event transactions/s with the consumer running)",
+            "",
+            "| system | producers | trigger on | trigger off | on / off | NOTIFYs/s (on) |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for name, data in producers.items():
+            for level, row in data["levels"].items():
+                if "skipped" in row:
+                    lines.append(f"| {name} | {level} | {row['skipped']} | | |")
+                    continue
+                lines.append(
+                    f"| {name} | {level} | {_fmt(row['on'])} | {_fmt(row['off'])} "
+                    f"| {_fmt(row['ratio'], 2)} | {_fmt(row.get('notifications_per_s'))} |"
+                )
+
+    history = results.get("history")
+    if history:
+        s = history["summary"]
+        lines += [
+            "",
+            f"## Cost of history ({history['rows']:,} done rows; drain of "
+            f"{history['drain_size']:,})",
+            "",
+            "| table | drain/s (median) |",
+            "|---|---:|",
+            f"| empty | {_fmt(s['empty'])} |",
+            f"| with history | {_fmt(s['history'])} |",
+            f"| ratio | {_fmt(s['ratio'], 2)} |",
+            "",
+            "Claim plan with history (generic plan, as a prepared statement may use):",
+            "",
+            "```",
+            history["explain"]["generic_plan"],
+            "```",
+        ]
+    rss = results.get("rss", {})
+    if rss:
+        lines += [
+            "",
+            "## Consumer RSS over the largest drain (MB)",
+            "",
+            "| system | events | start | after 10% | max | end | growth after 10% |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for name, row in rss.items():
+            lines.append(
+                f"| {name} | {row['events']:,} | {_fmt(row['start_mb'], 1)} "
+                f"| {_fmt(row['warm_mb'], 1)} | {_fmt(row['max_mb'], 1)} "
+                f"| {_fmt(row['end_mb'], 1)} | {_fmt(row['growth_mb'], 1)} |"
+            )
+    if settings:
+        lines += ["", "## Settings", ""]
+        for name, value in settings.items():
+            lines.append(f"- {name}: `{json.dumps(value)}`")
+    if meta:
+        pg = meta.get("postgresql", {})
+        machine = meta.get("machine", {})
+        lines += [
+            "",
+            "## Run",
+            "",
+            f"- command: `{meta.get('command')}`; started {meta.get('started')}, "
+            f"took {meta.get('duration_s')} s",
+            f"- aiooutbox: {meta.get('source')}"
+            + (f"; with `--patch {meta['patch']}`" if meta.get("patch") else "")
+            + (f" `--sql-patch {meta['sql_patch']}`" if meta.get("sql_patch") else ""),
+            f"- machine: {machine.get('platform')}, {machine.get('cpus')} CPUs, "
+            f"{machine.get('memory_gb')} GB, Python {machine.get('python')}; "
+            f"load average at start {_loads(machine.get('loadavg_start'))}, "
+            f"at end {_loads(meta.get('loadavg_end'))} (a shared machine)",
+            f"- {pg.get('version')}",
+            f"- server settings: `{json.dumps(pg.get('settings', {}))}`",
+            f"- packages: `{json.dumps(meta.get('packages', {}))}`",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, Any], out: Path) -> list[Path]:
+    """Write PNG plots next to the JSON; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written: list[Path] = []
+    colors = {AIO: "tab:blue", PGQ: "tab:orange"}
+
+    def save(fig: Any, name: str) -> None:
+        path = out / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    drain = results.get("drain", {}).get("summary", {})
+    if drain:
+        sizes = sorted(drain, key=int)
+        fig, ax = plt.subplots(figsize=(7, 4))
+        width = 0.38
+        for i, name in enumerate((AIO, PGQ)):
+            values = [drain[s][name] or 0 for s in sizes]
+            xs = [j + (i - 0.5) * width for j in range(len(sizes))]
+            ax.bar(xs, values, width, label=name, color=colors[name])
+        ax.set_xticks(range(len(sizes)), [f"{int(s):,}" for s in sizes])
+        ax.set_xlabel("pre-enqueued no-op events")
+        ax.set_ylabel("events/s (median)")
+        ax.set_title("Drain throughput")
+        ax.legend()
+        save(fig, "drain.png")
+
+    steady = results.get("steady", [])
+    if steady:
+        cols = min(3, len(steady))
+        rows = -(-len(steady) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.3 * rows), squeeze=False)
+        for ax in axes.flat[len(steady) :]:
+            ax.set_visible(False)
+        for ax, run in zip(axes.flat, steady, strict=False):
+            series = run["latency_series"]
+            if series:
+                ax.plot([s[0] for s in series], [s[1] for s in series], label="p50")
+                ax.plot([s[0] for s in series], [s[2] for s in series], label="p99")
+            ax.set_yscale("log")
+            load = "" if run["fraction"] is None else f"{run['fraction']:.0%} "
+            ax.set_title(f"{run['system']} {load}({run['offered_rate']:,.0f}/s)")
+            ax.set_xlabel("s (by send time; handled events only)")
+            ax.set_ylabel("ms from producer BEGIN")
+            ax.legend()
+        save(fig, "steady_latency.png")
+
+    wake = results.get("wakeup", {})
+    if wake:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        modes = list(wake)
+        for i, q in enumerate(("p50", "p95", "p99")):
+            values = [wake[m]["latency_ms"].get(q) or 0 for m in modes]
+            ax.bar([j + (i - 1) * 0.27 for j in range(len(modes))], values, 0.27, label=q)
+        ax.set_xticks(range(len(modes)), modes)
+        ax.set_yscale("log")
+        ax.set_ylabel("ms")
+        ax.set_title("Idle wake-up latency")
+        ax.legend()
+        save(fig, "wakeup.png")
+
+    producers = results.get("producers", {})
+    if producers:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for name, data in producers.items():
+            levels = [k for k, v in data["levels"].items() if "on" in v]
+            for trigger, style in (("on", "-"), ("off", "--")):
+                ax.plot(
+                    [int(k) for k in levels],
+                    [data["levels"][k][trigger] for k in levels],
+                    style,
+                    marker="o",
+                    color=colors.get(name),
+                    label=f"{name}, trigger {trigger}",
+                )
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent producers")
+        ax.set_ylabel("commits/s")
+        ax.set_title("Producer commit rate, consumer running")
+        ax.legend()
+        save(fig, "producers.png")
+
+    rss = results.get("rss", {})
+    if rss:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for name, row in rss.items():
+            ax.plot(
+                [s[1] for s in row["samples"]],
+                [s[2] for s in row["samples"]],
+                color=colors.get(name),
+                label=f"{name} ({row['events']:,} events)",
+            )
+        ax.set_xlabel("events handled")
+        ax.set_ylabel("RSS MB")
+        ax.set_title("Consumer RSS during the largest drain")
+        ax.legend()
+        save(fig, "rss.png")
+    return written
+
+
+def write(results: dict[str, Any], out: Path, *, plots: bool = True) -> dict[str, Path]:
+    """Write results.json, results.md and (if matplotlib is installed) the plots."""
+    out.mkdir(parents=True, exist_ok=True)
+    results["targets"] = targets(results)
+    paths = {"json": out / "results.json", "markdown": out / "results.md"}
+    paths["json"].write_text(json.dumps(results, indent=1, default=str) + "\n")
+    paths["markdown"].write_text(markdown(results))
+    if plots:
+        try:
+            for path in plot(results, out):
+                paths[path.stem] = path
+        except ImportError:
+            pass  # pip install 'aiooutbox[bench]' for plots
+    return paths

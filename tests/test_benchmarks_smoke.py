@@ -1,0 +1,129 @@
+"""The benchmark suite at tiny sizes, so it cannot rot: structure and sanity, no timing."""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("pgqueuer")
+pytest.importorskip("psutil")
+
+from benchmarks import report
+from benchmarks.__main__ import parse
+from benchmarks.scenarios import Bench, Config
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def tiny() -> Config:
+    return Config(
+        drain_sizes=[300, 600],
+        drain_rounds={300: 1, 600: 1},
+        tune=False,
+        steady_fractions=[0.5],
+        steady_rates=[300.0],
+        steady_seconds=0.6,
+        steady_producers=2,
+        wakeup_samples=3,
+        wakeup_gap=(0.1, 0.15),
+        poll_only_interval=0.3,
+        producer_levels=[1, 2],
+        producer_seconds=0.2,
+        producer_rounds=1,
+        history_rows=20_000,
+        history_drain=300,
+        history_rounds=1,
+        sample_interval=0.05,
+        settle=0.2,
+    )
+
+
+def positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+async def test_benchmark_suite_runs_at_tiny_sizes(pg_server: str, tmp_path: Path) -> None:
+    bench = Bench(pg_server, tiny(), prefix=f"bsmoke_{uuid.uuid4().hex[:8]}_", log=lambda _: None)
+    try:
+        results = await bench.run()
+    finally:
+        await bench.cleanup()
+    paths = report.write(results, tmp_path)
+    loaded = json.loads(paths["json"].read_text())
+
+    for key in ("meta", "config", "settings", "drain", "history", "steady", "wakeup",
+                "producers", "rss", "targets"):  # fmt: skip
+        assert key in loaded, key
+    assert loaded["meta"]["postgresql"]["version"].startswith("PostgreSQL")
+
+    # 1. drain: every event finished, for both systems, at both sizes
+    runs = loaded["drain"]["runs"]
+    assert {(r["system"], r["size"]) for r in runs} == {
+        (s, n) for s in ("aiooutbox", "pgqueuer") for n in (300, 600)
+    }
+    for run in runs:
+        assert "error" not in run, run
+        assert run["finished"] == run["size"]
+        assert (
+            positive(run["rate"]) and positive(run["client_cpu_s"]) and positive(run["rss_max_mb"])
+        )
+    for row in loaded["drain"]["summary"].values():
+        assert positive(row["aiooutbox"]) and positive(row["pgqueuer"]) and positive(row["ratio"])
+
+    # 2. steady state: latencies measured for every event produced
+    assert sorted((r["system"], r["fraction"] or 0) for r in loaded["steady"]) == [
+        ("aiooutbox", 0), ("aiooutbox", 0.5), ("pgqueuer", 0), ("pgqueuer", 0.5)
+    ]  # fmt: skip
+    for run in loaded["steady"]:
+        assert run["produced"] > 0 and run["handled"] == run["produced"], run
+        assert run["latency_ms"]["n"] == run["produced"]
+        assert (
+            positive(run["latency_ms"]["p50"])
+            and run["latency_ms"]["p99"] >= run["latency_ms"]["p50"]
+        )
+        assert run["latency_from_begin_ms"]["p50"] >= run["latency_ms"]["p50"]
+        assert isinstance(run["keeps_up"], bool)
+
+    # 3. wake-up: three modes, each saw every sample
+    assert set(loaded["wakeup"]) == {"aiooutbox_notify", "aiooutbox_poll_only", "pgqueuer_notify"}
+    for mode in loaded["wakeup"].values():
+        assert mode["handled"] == 3 and mode["latency_ms"]["n"] == 3
+        assert positive(mode["latency_ms"]["p50"])
+        assert mode["latency_from_begin_ms"]["p50"] >= mode["latency_ms"]["p50"]
+
+    # 4. producer cost: both trigger states at both levels, for both systems
+    for system in ("aiooutbox", "pgqueuer"):
+        data = loaded["producers"][system]
+        assert set(data["levels"]) == {"1", "2"}
+        for level in data["levels"].values():
+            assert positive(level["on"]) and positive(level["off"]) and positive(level["ratio"])
+            assert level["notifications_per_s"] >= 0
+            assert len(level["backlog_after"]["on"]) == 1
+        assert data["consumer_handled"] == data["produced"]
+
+    # 5. history: the claim stays on the partial index with done rows in the table
+    history = loaded["history"]
+    assert history["explain"]["uses_index"], history["explain"]["generic_plan"]
+    assert "outbox_events_claimable_idx" in history["explain"]["generic_plan"]
+    assert positive(history["summary"]["ratio"])
+    assert all(r["finished"] == r["size"] for r in history["runs"])
+
+    # 6. RSS sampled during the largest drain
+    rss = loaded["rss"]["aiooutbox"]
+    assert rss["events"] == 600 and positive(rss["max_mb"]) and len(rss["samples"]) >= 2
+
+    # the report: every target row present, markdown rendered
+    whats = " ".join(t["what"] for t in loaded["targets"])
+    for needle in ("drain", "trigger on / off", "wake-up p50", "steady state", "done rows", "RSS"):
+        assert needle in whats, needle
+    text = paths["markdown"].read_text()
+    assert "## Targets" in text and "## Drain throughput" in text
+
+
+def test_cli_parses_the_documented_command() -> None:
+    args = parse(["--dsn", "postgresql://postgres@127.0.0.1:5432/postgres", "--quick"])
+    assert args.quick and not args.full and args.out == Path("benchmarks/results")
