@@ -30,9 +30,10 @@ if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
 from ._codec import Decoder, decode_json
-from ._db import TRANSIENT_ERRORS, pool_is_closed
+from ._db import TRANSIENT_ERRORS, bounded, pool_is_closed
 from ._handoff import Handoff
 from ._listener import Listener
+from ._maintenance import Maintenance
 from ._settler import Failure, Settler
 from ._sql import DEFAULT_SCHEMA, DEFAULT_TABLE, queries
 from .errors import Dead, InvalidArgument, OutboxError, Retry
@@ -392,8 +393,18 @@ class OutboxConsumer:
                 self._startup_scope = None
             self._started.set()
             services.start_soon(settler.run)
-            services.start_soon(self._heartbeat_loop)
-            services.start_soon(self._maintenance_loop)
+            maintenance = Maintenance(
+                self._pool,
+                self._q,
+                self.worker_id,
+                held=self._held,
+                on_recovered=self._recovered,
+                lease_timeout=self._lease_timeout,
+                retention=self._retention,
+                statement_timeout=self._timeout,
+            )
+            services.start_soon(maintenance.heartbeat_loop)
+            services.start_soon(maintenance.recovery_loop)
             handoff: Handoff[Event] = Handoff()
             try:
                 async with anyio.create_task_group() as workers:
@@ -541,15 +552,7 @@ class OutboxConsumer:
         return rows
 
     async def _sql(self, method: str, query: str, *args: Any) -> Any:
-        """``conn.<method>(query, *args)`` on a pooled connection, every step bounded.
-
-        Not ``pool.fetch()`` and friends: they acquire without a timeout, so on a
-        blackholed network a new connection waits for asyncpg's 60 s connect timeout and
-        a released one may wait forever for its query cancellation (and a stop() would
-        hang in the shielded cleanup). ``acquire(timeout=)`` also bounds the release.
-        """
-        async with self._pool.acquire(timeout=self._timeout) as conn:
-            return await getattr(conn, method)(query, *args, timeout=self._timeout)
+        return await bounded(self._pool, method, query, *args, timeout=self._timeout)
 
     def _hand_out(self, rows: list[Any], handoff: Handoff[Event]) -> None:
         now = time.monotonic()
@@ -736,75 +739,6 @@ class OutboxConsumer:
             )
         self._settler.failed(Failure(event_id, attempts, delay, error, dead))
 
-    # -- background loops ----------------------------------------------------------
-    async def _heartbeat_loop(self) -> None:
-        """Extend the leases of handlers that run longer than a third of the lease."""
-        interval = self._lease_timeout / 3
-        while True:
-            await anyio.sleep(interval * random.uniform(0.8, 1.0))
-            now = time.monotonic()
-            due = [i for i, (_, extended) in self._held.items() if now - extended >= interval]
-            if not due:
-                continue
-            try:
-                kept = await self._sql(
-                    "fetch", self._q.extend_leases, due, self.worker_id, self._lease_timeout
-                )
-            except TRANSIENT_ERRORS as exc:
-                logger.warning("lease heartbeat failed (%s: %s)", type(exc).__name__, exc)
-                continue
-            alive = {r[0] for r in kept}
-            for event_id in due:
-                held = self._held.get(event_id)
-                if held is None:
-                    continue
-                if event_id in alive:
-                    self._held[event_id] = (held[0], now)
-                else:
-                    logger.warning(
-                        "event %d: lease lost while its handler runs; its outcome will be ignored",
-                        event_id,
-                        extra={"event_id": event_id},
-                    )
-                    self._held[event_id] = (held[0], math.inf)
-
-    async def _maintenance_loop(self) -> None:
-        """Recover expired leases; purge old ``done`` rows and stale idle adverts."""
-        interval = min(self._lease_timeout / 2, 10.0)
-        next_purge = 0.0
-        while True:
-            try:
-                recovered = await self._recover()
-                if recovered:
-                    self._wake.set()
-                if self._retention is not None and time.monotonic() >= next_purge:
-                    next_purge = time.monotonic() + 60.0
-                    await self._purge()
-            except TRANSIENT_ERRORS as exc:
-                logger.warning("maintenance failed (%s: %s)", type(exc).__name__, exc)
-            await anyio.sleep(interval * random.uniform(0.8, 1.2))
-
-    async def _recover(self) -> int:
-        total = 0
-        while True:
-            rows = await self._sql("fetch", self._q.recover_expired, 1000)
-            for event_id, topic, status, worker in rows:
-                logger.warning(
-                    "event %d (%s): lease of %s expired; now %s",
-                    event_id,
-                    topic,
-                    worker,
-                    status,
-                    extra={"event_id": event_id, "topic": topic},
-                )
-            total += len(rows)
-            self.stats.recovered += len(rows)
-            if len(rows) < 1000:
-                return total
-
-    async def _purge(self) -> None:
-        for _ in range(50):  # at most 50k rows per round, so one round stays short
-            status = await self._sql("execute", self._q.purge_done, self._retention, 1000)
-            if int(status.rsplit(" ", 1)[-1]) < 1000:
-                break
-        await self._sql("execute", self._q.purge_expired_idle)
+    def _recovered(self, count: int) -> None:
+        self.stats.recovered += count
+        self._wake.set()
