@@ -77,6 +77,17 @@ async def dsn(pg_server: str) -> AsyncIterator[str]:
         await _drop(pg_server, name)
 
 
+@pytest.fixture(scope="module")
+def shared_dsn(pg_server: str) -> Iterator[str]:
+    """One migrated database for a whole module, for many small cases that each leave it
+    as they found it (a fresh database per case would cost more than the cases)."""
+    name = asyncio.run(_new_database(pg_server, TEMPLATE))
+    try:
+        yield with_database(pg_server, name)
+    finally:
+        asyncio.run(_drop(pg_server, name))
+
+
 @pytest.fixture
 async def empty_dsn(pg_server: str) -> AsyncIterator[str]:
     """DSN of a fresh database without the outbox schema."""

@@ -8,9 +8,8 @@ share one migrated database (a fresh one per case would cost half a minute).
 
 from __future__ import annotations
 
-import asyncio
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from datetime import date, datetime, timedelta, timezone
 from typing import Any
 
@@ -19,17 +18,6 @@ import pytest
 
 import aiooutbox
 from aiooutbox import InvalidArgument, NewEvent, OutboxConsumer
-from tests.conftest import TEMPLATE, _drop, _new_database, with_database
-
-
-@pytest.fixture(scope="module")
-def shared_dsn(pg_server: str) -> Iterator[str]:
-    """One migrated database for this module; every test leaves it as it found it."""
-    name = asyncio.run(_new_database(pg_server, TEMPLATE))
-    try:
-        yield with_database(pg_server, name)
-    finally:
-        asyncio.run(_drop(pg_server, name))
 
 
 @pytest.fixture

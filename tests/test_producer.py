@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -13,7 +13,6 @@ import pytest
 
 import aiooutbox
 from aiooutbox import NewEvent
-from tests.conftest import TEMPLATE, _drop, _new_database, with_database
 
 SEED_INSERT = (
     "INSERT INTO outbox_events (dedupe_key, topic, payload) "
@@ -41,16 +40,6 @@ async def stored(conn: asyncpg.Connection | asyncpg.Pool, event_id: int) -> dict
     out["payload"] = json.loads(out["payload"])
     out["headers"] = json.loads(out["headers"])
     return out
-
-
-@pytest.fixture(scope="module")
-def shared_dsn(pg_server: str) -> Iterator[str]:
-    """One migrated database for the many small round-trip cases of this module."""
-    name = asyncio.run(_new_database(pg_server, TEMPLATE))
-    try:
-        yield with_database(pg_server, name)
-    finally:
-        asyncio.run(_drop(pg_server, name))
 
 
 @pytest.fixture
