@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 import asyncpg
 import pytest
@@ -574,6 +574,7 @@ async def test_claim_plan_uses_the_partial_index(pool: asyncpg.Pool) -> None:
         await conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
         for sql, args in [
             (q.claim, ("w", 30.0, ["x"], 100)),
+            (q.claim_after, ("w", 30.0, ["x"], 100, datetime.now(timezone.utc), 5)),
             (q.settle_done, ([1, 2, 3], "w", 1)),
             (q.recover_expired, (100,)),
         ]:
@@ -585,6 +586,15 @@ async def test_claim_plan_uses_the_partial_index(pool: asyncpg.Pool) -> None:
             for r in await (await conn.prepare("EXPLAIN " + q.claim)).fetch("w", 30.0, ["x"], 1)
         )
         assert "outbox_events_claimable_idx" in claim_plan, claim_plan
+        watermark_plan = "\n".join(
+            r[0]
+            for r in await (await conn.prepare("EXPLAIN " + q.claim_after)).fetch(
+                "w", 30.0, ["x"], 1, datetime.now(timezone.utc), 5
+            )
+        )
+        # the watermark is an index condition, not a filter over the dead prefix
+        index_conds = [line for line in watermark_plan.splitlines() if "Index Cond" in line]
+        assert any("ROW(available_at, id) >" in line for line in index_conds), watermark_plan
         settle_plan = "\n".join(
             r[0] for r in await (await conn.prepare("EXPLAIN " + q.settle_done)).fetch([1], "w", 1)
         )
