@@ -18,15 +18,13 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import AsyncIterator
-from datetime import datetime
-from typing import Any
 
 import asyncpg
 from aiohttp import web
 
 import aiooutbox
 from aiooutbox.integrations.aiohttp import POOL, outbox_ctx, transaction
-from examples.orders import TABLES, database_url, email_handlers
+from examples.orders import TABLES, database_url, email_handlers, fetch_order
 
 
 async def database(app: web.Application) -> AsyncIterator[None]:
@@ -67,25 +65,9 @@ async def get_order(request: web.Request) -> web.Response:
         order_id = int(request.match_info["order_id"])
     except ValueError:
         raise web.HTTPNotFound(text="no such order") from None
-    row = await request.app[POOL].fetchrow(
-        "SELECT o.id, o.email, o.item, o.quantity, o.created_at, e.sent_at"
-        " FROM orders o LEFT JOIN emails e ON e.order_id = o.id WHERE o.id = $1",
-        order_id,
-    )
-    if row is None:
+    order = await fetch_order(request.app[POOL], order_id)
+    if order is None:
         raise web.HTTPNotFound(text="no such order")
-    sent_at: datetime | None = row["sent_at"]
-    order: dict[str, Any] = {
-        "id": row["id"],
-        "email": row["email"],
-        "item": row["item"],
-        "quantity": row["quantity"],
-        "created_at": row["created_at"].isoformat(),
-        "confirmation_email": {
-            "status": "sent" if sent_at else "pending",
-            "sent_at": sent_at.isoformat() if sent_at else None,
-        },
-    }
     return web.json_response(order)
 
 

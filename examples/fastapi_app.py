@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from datetime import datetime
 from typing import Any
 
 import asyncpg
@@ -26,7 +25,7 @@ from pydantic import BaseModel, Field
 
 import aiooutbox
 from aiooutbox.integrations.fastapi import PoolDep, TransactionDep, outbox_lifespan
-from examples.orders import TABLES, database_url, email_handlers
+from examples.orders import TABLES, database_url, email_handlers, fetch_order
 
 
 @asynccontextmanager
@@ -67,22 +66,7 @@ async def create_order(order: NewOrder, conn: TransactionDep) -> dict[str, Any]:
 
 @app.get("/orders/{order_id}")
 async def get_order(order_id: int, pool: PoolDep) -> dict[str, Any]:
-    row = await pool.fetchrow(
-        "SELECT o.id, o.email, o.item, o.quantity, o.created_at, e.sent_at"
-        " FROM orders o LEFT JOIN emails e ON e.order_id = o.id WHERE o.id = $1",
-        order_id,
-    )
-    if row is None:
+    order = await fetch_order(pool, order_id)
+    if order is None:
         raise HTTPException(status_code=404, detail="no such order")
-    sent_at: datetime | None = row["sent_at"]
-    return {
-        "id": row["id"],
-        "email": row["email"],
-        "item": row["item"],
-        "quantity": row["quantity"],
-        "created_at": row["created_at"].isoformat(),
-        "confirmation_email": {
-            "status": "sent" if sent_at else "pending",
-            "sent_at": sent_at.isoformat() if sent_at else None,
-        },
-    }
+    return order

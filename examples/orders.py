@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+from datetime import datetime
+from typing import Any
 
 import asyncpg
 
@@ -53,3 +55,28 @@ def email_handlers(pool: asyncpg.Pool) -> aiooutbox.Router:
         logger.info("confirmation email for order %d sent", order_id)
 
     return router
+
+
+async def fetch_order(
+    db: asyncpg.Pool | asyncpg.Connection, order_id: int
+) -> dict[str, Any] | None:
+    """The order with the status of its confirmation email, or None."""
+    row = await db.fetchrow(
+        "SELECT o.id, o.email, o.item, o.quantity, o.created_at, e.sent_at"
+        " FROM orders o LEFT JOIN emails e ON e.order_id = o.id WHERE o.id = $1",
+        order_id,
+    )
+    if row is None:
+        return None
+    sent_at: datetime | None = row["sent_at"]
+    return {
+        "id": row["id"],
+        "email": row["email"],
+        "item": row["item"],
+        "quantity": row["quantity"],
+        "created_at": row["created_at"].isoformat(),
+        "confirmation_email": {
+            "status": "sent" if sent_at else "pending",
+            "sent_at": sent_at.isoformat() if sent_at else None,
+        },
+    }
