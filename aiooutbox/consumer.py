@@ -645,31 +645,21 @@ class OutboxConsumer:
                     with anyio.fail_after(timeout):
                         await handler.func(event)
             except Retry as exc:
-                self._record_failure(
-                    event.id, event.topic, event.attempts, event.max_attempts, exc, delay=exc.delay
-                )
+                self._fail(event, exc, delay=exc.delay)
             except Dead as exc:
-                self._record_failure(
-                    event.id, event.topic, event.attempts, event.max_attempts, exc, dead=True
-                )
+                self._fail(event, exc, dead=True)
             except anyio.get_cancelled_exc_class() as exc:
                 if self._workers_scope is not None and self._workers_scope.cancel_called:
                     self._release(event)
                     raise
                 # the handler raised CancelledError on its own: a failure like any other
-                self._record_failure(
-                    event.id, event.topic, event.attempts, event.max_attempts, exc, handler=handler
-                )
+                self._fail(event, exc, handler=handler)
             except Exception as exc:
-                self._record_failure(
-                    event.id, event.topic, event.attempts, event.max_attempts, exc, handler=handler
-                )
+                self._fail(event, exc, handler=handler)
             except BaseException as exc:
                 # SystemExit, KeyboardInterrupt and friends: settle this event, then stop
                 # the consumer gracefully and re-raise from run()
-                self._record_failure(
-                    event.id, event.topic, event.attempts, event.max_attempts, exc, handler=handler
-                )
+                self._fail(event, exc, handler=handler)
                 logger.error("handler raised %r; stopping the consumer", exc, extra=extra)
                 if self._fatal is None:
                     self._fatal = exc
