@@ -181,19 +181,18 @@ class Settler:
             # several are applied together so a retried flush never half-repeats
             if len(statements) == 1:
                 results = [
-                    await conn.execute(statements[0][0], *statements[0][1], timeout=self._timeout)
+                    await conn.fetchval(statements[0][0], *statements[0][1], timeout=self._timeout)
                 ]
             else:
                 async with conn.transaction():
                     results = [
-                        await conn.execute(sql, *args, timeout=self._timeout)
+                        await conn.fetchval(sql, *args, timeout=self._timeout)
                         for sql, args, _ in statements
                     ]
-        for (_, _, expected), status in zip(statements, results, strict=True):
-            self._count_fenced(status, expected)
+        for (_, _, expected), updated in zip(statements, results, strict=True):
+            self._count_fenced(updated, expected)
 
-    def _count_fenced(self, status: str, expected: int) -> None:
-        updated = int(status.rsplit(" ", 1)[-1])
+    def _count_fenced(self, updated: int, expected: int) -> None:
         if updated < expected:
             self.fenced += expected - updated
             logger.warning(

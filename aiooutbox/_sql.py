@@ -157,58 +157,40 @@ class Queries:
         )
 
     # -- consumer ------------------------------------------------------------------
+    # The claim and the settlements are functions (migration 0002) whose SET clauses pin
+    # them to index plans: a generic plan made while the table was small would otherwise
+    # scan the whole table on every call once the backlog grows.
+    def _function(self, name: str) -> str:
+        return f'"{self.schema}"."{self.table}_{name}"'
+
     @property
     def claim(self) -> str:
-        # $1 worker id, $2 lease seconds, $3 topics, $4 limit
-        return self._claim("")
+        # $1 worker id, $2 lease seconds, $3 topics, $4 limit; the claimed rows are
+        # (id, topic, payload, dedupe_key, headers, attempts, max_attempts, created_at,
+        # available_at)
+        return f"SELECT * FROM {self._function('claim')}($1, $2::float8, $3::text[], $4::int)"
 
     @property
     def claim_after(self) -> str:
         # the claim, starting after a watermark: $5 available_at, $6 id
-        return self._claim(" AND (c.available_at, c.id) > ($5::timestamptz, $6::bigint)")
-
-    def _claim(self, lower_bound: str) -> str:
         return (
-            f"UPDATE {self.qualified} AS e SET status = 'processing',"
-            " attempts = e.attempts + 1, locked_by = $1, locked_at = now(),"
-            " lease_expires_at = now() + make_interval(secs => $2::float8), updated_at = now()"
-            " WHERE e.id = ANY (ARRAY("
-            f"  SELECT c.id FROM {self.qualified} AS c"
-            "   WHERE c.status IN ('pending', 'retry') AND c.available_at <= now()"
-            f"   AND c.topic = ANY ($3::text[]){lower_bound}"
-            "   ORDER BY c.available_at, c.id LIMIT $4 FOR UPDATE SKIP LOCKED))"
-            " RETURNING e.id, e.topic, e.payload::text, e.dedupe_key, e.headers::text,"
-            " e.attempts, e.max_attempts, e.created_at, e.available_at"
+            f"SELECT * FROM {self._function('claim')}"
+            "($1, $2::float8, $3::text[], $4::int, $5::timestamptz, $6::bigint)"
         )
 
     @property
     def settle_done(self) -> str:
         # fenced: only the claim this worker holds, on the attempt it claimed
-        # $1 ids, $2 worker id, $3 attempts
-        return (
-            f"UPDATE {self.qualified} SET status = 'done', lease_expires_at = NULL,"
-            " finished_at = now(), updated_at = now()"
-            " WHERE id = ANY ($1::bigint[]) AND status = 'processing'"
-            " AND locked_by = $2 AND attempts = $3"
-        )
+        # $1 ids, $2 worker id, $3 attempts; returns the number of rows settled
+        return f"SELECT {self._function('settle_done')}($1::bigint[], $2, $3::int)"
 
     @property
     def settle_failed(self) -> str:
         # $1 ids, $2 delays (s), $3 errors, $4 force dead, $5 released, $6 worker id,
-        # $7 attempts. A release (the consumer stopped before the handler finished) is
-        # not the event's fault: it goes back to retry even after its last attempt.
-        dead = "(u.force_dead OR (e.attempts >= e.max_attempts AND NOT u.released))"
+        # $7 attempts; returns the number of rows settled
         return (
-            f"UPDATE {self.qualified} AS e SET"
-            f" status = CASE WHEN {dead} THEN 'dead' ELSE 'retry' END::{self.status_type},"
-            f" available_at = CASE WHEN {dead} THEN e.available_at"
-            " ELSE now() + make_interval(secs => u.delay) END,"
-            f" finished_at = CASE WHEN {dead} THEN now() END,"
-            " last_error = u.error, lease_expires_at = NULL, updated_at = now()"
-            " FROM unnest($1::bigint[], $2::float8[], $3::text[], $4::bool[], $5::bool[])"
-            " AS u(id, delay, error, force_dead, released)"
-            " WHERE e.id = u.id AND e.id = ANY ($1::bigint[]) AND e.status = 'processing'"
-            " AND e.locked_by = $6 AND e.attempts = $7"
+            f"SELECT {self._function('settle_failed')}($1::bigint[], $2::float8[],"
+            " $3::text[], $4::bool[], $5::bool[], $6, $7::int)"
         )
 
     @property

@@ -10,6 +10,7 @@ from typing import Any
 import asyncpg
 
 import aiooutbox
+from aiooutbox._plans import hot_path_plans
 from aiooutbox._sql import queries
 
 from .common import TOPIC, recreate_database
@@ -150,35 +151,27 @@ class System:
         return (await self.counts()).get("done", 0)
 
     async def explain_claim(self, *, analyze: bool = False) -> dict[str, Any]:
-        """The claim's plans (custom and generic, as asyncpg's prepared statement may use),
-        and whether both read the claimable partial index."""
+        """The claim's plans (custom, and generic as a consumer's connection ends up
+        using), read inside the claim function with auto_explain, and whether both read
+        the claimable partial index."""
         index = f"{self.q.table}_claimable_idx"
-        args = ("bench-explain", 30.0, [TOPIC], 200)
-        conn = await self.connect()
-        try:
-            tr = conn.transaction()
-            await tr.start()
+        plans: dict[str, dict[str, str]] = {}
+        for mode, generic in (("custom", False), ("generic", True)):
+            conn = await self.connect()  # a fresh plan cache for each mode
             try:
-                # ANALYZE runs the UPDATE: the transaction is rolled back below
-                options = "ANALYZE, BUFFERS, " if analyze else ""
-                rows = await conn.fetch(f"EXPLAIN ({options}COSTS) {self.q.claim}", *args)
-                custom = "\n".join(r[0] for r in rows)
-                await conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
-                await conn.execute(f"PREPARE bench_claim AS {self.q.claim}")
-                rows = await conn.fetch(
-                    "EXPLAIN EXECUTE bench_claim('bench-explain', 30.0, '{bench}', 200)"
+                plans[mode] = await hot_path_plans(
+                    conn, self.q, [TOPIC], analyze=analyze, generic=generic
                 )
-                generic = "\n".join(r[0] for r in rows)
             finally:
-                await tr.rollback()
-        finally:
-            await conn.close()
+                await conn.close()
+        custom, generic_plan = plans["custom"]["claim"], plans["generic"]["claim"]
         return {
             "index": index,
             "custom_plan": custom,
-            "generic_plan": generic,
-            "uses_index": index in custom and index in generic,
-            "seq_scan": "Seq Scan" in custom or "Seq Scan" in generic,
+            "generic_plan": generic_plan,
+            "watermark_generic_plan": plans["generic"]["claim_after"],
+            "uses_index": index in custom and index in generic_plan,
+            "seq_scan": any("Seq Scan" in p for m in plans.values() for p in m.values()),
         }
 
 

@@ -64,7 +64,7 @@ async def test_migrate_an_empty_database(empty_dsn: str) -> None:
 
     first = await cli("migrate", "--dsn", empty_dsn)
     assert first.rc == 0, first.err
-    assert "applied migration(s) [1]" in first.out
+    assert "applied migration(s) [1, 2]" in first.out
     again = await cli("migrate", "--dsn", empty_dsn)
     assert (again.rc, again.out.strip()) == (0, "public.outbox_events is up to date")
     conn = await asyncpg.connect(empty_dsn)

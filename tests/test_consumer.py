@@ -11,6 +11,7 @@ import asyncpg
 import pytest
 
 import aiooutbox
+from aiooutbox._plans import hot_path_plans
 from aiooutbox._sql import queries
 from tests.helpers import all_in, running, status_counts, wait_until
 
@@ -259,18 +260,18 @@ async def test_stale_settlement_is_fenced_out(pool: asyncpg.Pool) -> None:
     assert len(await pool.fetch(q.recover_expired, 100)) == 1
     await pool.fetch(q.claim, "fresh", 30.0, ["jobs"], 1)
     # the stale worker (attempt 1) tries to settle: nothing changes
-    assert await pool.execute(q.settle_done, [event_id], "stale", 1) == "UPDATE 0"
+    assert await pool.fetchval(q.settle_done, [event_id], "stale", 1) == 0
     assert (
-        await pool.execute(
+        await pool.fetchval(
             q.settle_failed, [event_id], [0.0], ["late"], [True], [False], "stale", 1
         )
-        == "UPDATE 0"
+        == 0
     )
     # the same worker id on an older attempt is fenced too
-    assert await pool.execute(q.settle_done, [event_id], "fresh", 1) == "UPDATE 0"
+    assert await pool.fetchval(q.settle_done, [event_id], "fresh", 1) == 0
     row = await pool.fetchrow("SELECT status::text, locked_by, attempts FROM outbox_events")
     assert tuple(row) == ("processing", "fresh", 2)
-    assert await pool.execute(q.settle_done, [event_id], "fresh", 2) == "UPDATE 1"
+    assert await pool.fetchval(q.settle_done, [event_id], "fresh", 2) == 1
 
 
 async def _listener_pids(pool: asyncpg.Pool) -> list[int]:
@@ -562,43 +563,66 @@ async def test_done_rows_are_purged_after_retention(pool: asyncpg.Pool) -> None:
     assert left == set(ids[3:])
 
 
+def _assert_index_plans(plans: dict[str, str]) -> None:
+    for name, plan in plans.items():
+        assert "Seq Scan" not in plan, (name, plan)
+        assert "outbox_events_pkey" in plan, (name, plan)
+    for name in ("claim", "claim_after"):
+        assert "outbox_events_claimable_idx" in plans[name], plans[name]
+    # the watermark is an index condition, not a filter over the dead prefix
+    index_conds = [line for line in plans["claim_after"].splitlines() if "Index Cond" in line]
+    assert any("ROW(available_at, id) >" in line for line in index_conds), plans["claim_after"]
+
+
 async def test_claim_plan_uses_the_partial_index(pool: asyncpg.Pool) -> None:
     await aiooutbox.enqueue_many(pool, [aiooutbox.NewEvent("x", i) for i in range(2000)])
     await pool.execute(
         "UPDATE outbox_events SET status = 'done', finished_at = now() WHERE id % 10 <> 0"
     )
     await pool.execute("ANALYZE outbox_events")
-    q = queries()
-    async with pool.acquire() as conn, conn.transaction():
-        # force the generic plan that prepared statements switch to after five runs
-        await conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
-        for sql, args in [
-            (q.claim, ("w", 30.0, ["x"], 100)),
-            (q.claim_after, ("w", 30.0, ["x"], 100, datetime.now(timezone.utc), 5)),
-            (q.settle_done, ([1, 2, 3], "w", 1)),
-            (q.recover_expired, (100,)),
-        ]:
-            stmt = await conn.prepare("EXPLAIN " + sql)
-            plan = "\n".join(r[0] for r in await stmt.fetch(*args))
-            assert "Seq Scan" not in plan, plan
-        claim_plan = "\n".join(
-            r[0]
-            for r in await (await conn.prepare("EXPLAIN " + q.claim)).fetch("w", 30.0, ["x"], 1)
-        )
-        assert "outbox_events_claimable_idx" in claim_plan, claim_plan
-        watermark_plan = "\n".join(
-            r[0]
-            for r in await (await conn.prepare("EXPLAIN " + q.claim_after)).fetch(
-                "w", 30.0, ["x"], 1, datetime.now(timezone.utc), 5
+    async with pool.acquire() as conn:
+        # the generic plans that a consumer's connection switches to after five calls
+        _assert_index_plans(await hot_path_plans(conn, queries(), ["x"]))
+        # nothing was claimed: the statements ran in a transaction that was rolled back
+        held = await conn.fetchval("SELECT count(*) FROM outbox_events WHERE locked_by IS NOT NULL")
+        assert held == 0
+        async with conn.transaction():
+            await conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+            stmt = await conn.prepare("EXPLAIN " + queries().recover_expired)
+            plan = "\n".join(r[0] for r in await stmt.fetch(100))
+        assert "outbox_events_lease_idx" in plan and "Seq Scan" not in plan, plan
+
+
+async def test_plans_made_on_an_empty_table_survive_a_backlog(empty_dsn: str) -> None:
+    """Regression: a consumer's connection caches the plans it made while the table was
+    empty; they used to be sequential scans, kept as the backlog grew (~26 ms per claim
+    at 30k rows instead of ~2 ms)."""
+    conn = await asyncpg.connect(empty_dsn)
+    try:
+        await aiooutbox.migrate(conn)
+        await conn.execute("VACUUM ANALYZE outbox_events")  # statistics: really empty
+        q = queries()
+        for _ in range(8):  # past the five custom plans: the generic one is cached now
+            assert await conn.fetch(q.claim, "w", 30.0, ["x"], 100) == []
+            assert (
+                await conn.fetch(
+                    q.claim_after, "w", 30.0, ["x"], 100, datetime.now(timezone.utc), 0
+                )
+                == []
             )
+            assert await conn.fetchval(q.settle_done, [1], "w", 1) == 0
+            assert (
+                await conn.fetchval(q.settle_failed, [1], [0.0], ["e"], [False], [False], "w", 1)
+                == 0
+            )
+        await conn.execute(
+            "INSERT INTO outbox_events (topic, payload)"
+            " SELECT 'x', '{}' FROM generate_series(1, 5000)"
         )
-        # the watermark is an index condition, not a filter over the dead prefix
-        index_conds = [line for line in watermark_plan.splitlines() if "Index Cond" in line]
-        assert any("ROW(available_at, id) >" in line for line in index_conds), watermark_plan
-        settle_plan = "\n".join(
-            r[0] for r in await (await conn.prepare("EXPLAIN " + q.settle_done)).fetch([1], "w", 1)
-        )
-        assert "outbox_events_pkey" in settle_plan, settle_plan
+        # the plans cached above, not new ones
+        _assert_index_plans(await hot_path_plans(conn, q, ["x"], generic=False))
+    finally:
+        await conn.close()
 
 
 async def test_stop_during_a_hanging_first_connect_returns_quickly(pool: asyncpg.Pool) -> None:

@@ -120,10 +120,6 @@ class World:
 STEPS: Counter[str] = Counter()
 
 
-def updated(status: str) -> int:
-    return int(status.rsplit(" ", 1)[-1])
-
-
 def make_machine(world: World) -> type[RuleBasedStateMachine]:
     class OutboxMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
@@ -231,17 +227,17 @@ def make_machine(world: World) -> type[RuleBasedStateMachine]:
             worker, event_id, attempts = chosen
             before = world.snapshot()
             fresh = self._fresh(before, worker, event_id)
-            status = world.run(world.conn.execute(Q.settle_done, [event_id], worker, attempts))
+            settled = world.run(world.conn.fetchval(Q.settle_done, [event_id], worker, attempts))
             after = world.snapshot()
             del self.claims[worker][event_id]
             if fresh:
-                assert updated(status) == 1
+                assert settled == 1
                 assert after[event_id].status == "done"
                 assert after[event_id].attempts == before[event_id].attempts
                 assert after[event_id].lease_expires_at is None
             else:
                 STEPS["fenced settlements"] += 1
-                assert updated(status) == 0, "a fenced-out settlement changed a row"
+                assert settled == 0, "a fenced-out settlement changed a row"
                 assert after[event_id].as_tuple() == before[event_id].as_tuple()
 
         @rule(
@@ -277,8 +273,8 @@ def make_machine(world: World) -> type[RuleBasedStateMachine]:
                 by_attempts.setdefault(attempts, []).append(event_id)
             changed = 0
             for attempts, ids in by_attempts.items():  # one statement per attempt, as the settler
-                status = world.run(
-                    world.conn.execute(
+                changed += world.run(
+                    world.conn.fetchval(
                         Q.settle_failed,
                         ids,
                         [delay] * len(ids),
@@ -289,7 +285,6 @@ def make_machine(world: World) -> type[RuleBasedStateMachine]:
                         attempts,
                     )
                 )
-                changed += updated(status)
             now = self._now()
             after = world.snapshot()
             assert changed == len(fresh)
@@ -425,7 +420,7 @@ def make_machine(world: World) -> type[RuleBasedStateMachine]:
                 got = world.run(world.conn.fetch(Q.claim, "finisher", LEASE, ["t"], 1000))
                 for attempts in {r["attempts"] for r in got}:
                     ids = [r["id"] for r in got if r["attempts"] == attempts]
-                    world.run(world.conn.execute(Q.settle_done, ids, "finisher", attempts))
+                    world.run(world.conn.fetchval(Q.settle_done, ids, "finisher", attempts))
                 rows = world.snapshot()
                 if all(r.status in ("done", "dead") for r in rows.values()):
                     break

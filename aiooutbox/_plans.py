@@ -1,0 +1,86 @@
+"""The plans PostgreSQL actually runs for the consumer's hot-path statements.
+
+The claim and the settlements run inside PL/pgSQL functions (migration 0002), where a
+plain ``EXPLAIN`` of the call shows only a function scan. ``auto_explain`` with nested
+statements reports the plans of the statements inside, including plans the function
+had already cached on this connection. Used by the test suite and the benchmarks to
+check that the claim stays on the claimable index; it needs a superuser (``LOAD``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime, timezone
+from typing import Any
+
+import asyncpg
+
+from ._sql import Queries
+from .errors import OutboxError
+
+__all__ = ["hot_path_plans"]
+
+_WORKER = "aiooutbox-plans"
+
+
+async def hot_path_plans(
+    conn: asyncpg.Connection,
+    q: Queries,
+    topics: list[str],
+    *,
+    analyze: bool = False,
+    generic: bool = True,
+) -> dict[str, str]:
+    """Plans of ``claim``, ``claim_after``, ``settle_done`` and ``settle_failed``.
+
+    The statements run in a transaction that is rolled back, so nothing changes.
+    ``generic`` forces generic plans (what a consumer's connection settles on after a
+    few calls); ``generic=False`` leaves the connection's plan cache as it is.
+    """
+    try:
+        await conn.execute("LOAD 'auto_explain'")
+    except asyncpg.InsufficientPrivilegeError as exc:
+        raise OutboxError("reading the claim's plans needs a superuser connection") from exc
+    messages: list[str] = []
+
+    def collect(_: Any, message: asyncpg.PostgresLogMessage) -> None:
+        messages.append(message.message)
+
+    conn.add_log_listener(collect)
+    plans: dict[str, str] = {}
+    transaction = conn.transaction()
+    await transaction.start()
+    try:
+        await conn.execute(
+            "SET LOCAL auto_explain.log_min_duration = 0;"
+            " SET LOCAL auto_explain.log_nested_statements = on;"
+            f" SET LOCAL auto_explain.log_analyze = {'on' if analyze else 'off'};"
+            f" SET LOCAL auto_explain.log_buffers = {'on' if analyze else 'off'};"
+            " SET LOCAL client_min_messages = log"
+        )
+        if generic:
+            await conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        epoch = datetime(1970, 1, 1, tzinfo=timezone.utc)
+        statements: list[tuple[str, str, tuple[Any, ...]]] = [
+            ("claim", q.claim, (_WORKER, 30.0, topics, 100)),
+            ("claim_after", q.claim_after, (_WORKER, 30.0, topics, 100, epoch, 0)),
+            ("settle_done", q.settle_done, ([0], _WORKER, 1)),
+            (
+                "settle_failed",
+                q.settle_failed,
+                ([0], [0.0], ["plans"], [False], [False], _WORKER, 1),
+            ),
+        ]
+        for name, sql, args in statements:
+            messages.clear()
+            await conn.fetch(sql, *args)
+            await asyncio.sleep(0)  # log listeners run in a later loop iteration
+            nested = [m for m in messages if "Query Text: UPDATE" in m]
+            if not nested:
+                raise OutboxError(f"auto_explain reported no plan for {name}")
+            plans[name] = nested[-1].split("\n", 1)[1]
+    finally:
+        # nothing the statements did is kept
+        await transaction.rollback()
+        conn.remove_log_listener(collect)
+    return plans
