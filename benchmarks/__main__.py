@@ -42,6 +42,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--only", nargs="+", choices=SCENARIOS, help="run only these scenarios (in this order)"
     )
     parser.add_argument("--no-tune", action="store_true", help="skip the settings search")
+    parser.add_argument(
+        "--steady-max",
+        choices=["sustained", "drain"],
+        default="sustained",
+        help="what the steady state's 50%%/90%% are fractions of: the highest producer rate "
+        "each system kept up with on this machine (default), or its drain rate",
+    )
     parser.add_argument("--prefix", default="bench_", help="prefix of the databases created")
     parser.add_argument("--keep", action="store_true", help="keep the databases afterwards")
     parser.add_argument(
@@ -67,6 +74,7 @@ def config_from(args: argparse.Namespace) -> Config:
         config.scenarios = list(args.only)
     if args.no_tune:
         config.tune = False
+    config.steady_max = args.steady_max
     if args.patch:
         config.patch = str(args.patch.resolve())
     if args.sql_patch:

@@ -83,7 +83,8 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     for run in results.get("steady", []):
         if run["system"] == AIO and run["fraction"] == 0.5 and run["latency_ms"].get("n"):
             p99 = run["latency_ms"]["p99"]
-            add("steady state at 50% of max, e2e p99 (ms)", "<= 20", p99, p99 <= 20)
+            basis = run.get("max_basis", "drain")
+            add(f"steady state at 50% of {basis} max, e2e p99 (ms)", "<= 20", p99, p99 <= 20)
     history = results.get("history", {}).get("summary")
     if history:
         r = _num(history.get("ratio"))
@@ -169,6 +170,26 @@ def markdown(results: dict[str, Any]) -> str:
                 f"{_fmt(db[len(db) // 2] if db else None, 1)} |"
             )
 
+    capacity = results.get("capacity", {})
+    if capacity:
+        lines += [
+            "",
+            "## Sustained maximum (producers on the same machine; bisection per system)",
+            "",
+            "| system | drain max/s | sustained max/s "
+            "| probes: offered/s (achieved) → sustained, p99 ms |",
+            "|---|---:|---:|---|",
+        ]
+        for name, cap in capacity.items():
+            probes = "; ".join(
+                f"{_fmt(p['offered_rate'])} ({_fmt(p['achieved_offered_rate'])}) → "
+                f"{_ok(p['sustained'])} {_fmt(p['p99_ms'], 1)}"
+                for p in cap["probes"]
+            )
+            lines.append(
+                f"| {name} | {_fmt(cap['drain_max'])} | {_fmt(cap['sustained_max'])} | {probes} |"
+            )
+
     steady = results.get("steady", [])
     if steady:
         lines += [
@@ -181,7 +202,11 @@ def markdown(results: dict[str, Any]) -> str:
         ]
         for run in steady:
             lat = run["latency_ms"]
-            load = "fixed" if run["fraction"] is None else f"{run['fraction']:.0%} of max"
+            load = (
+                "fixed"
+                if run["fraction"] is None
+                else f"{run['fraction']:.0%} of {run.get('max_basis', 'drain')} max"
+            )
             lines.append(
                 f"| {run['system']} | {load} | {_fmt(run['achieved_offered_rate'])} "
                 f"| {_fmt(lat.get('p50'), 1)} | {_fmt(lat.get('p95'), 1)} "

@@ -2,8 +2,9 @@
 systems; every consumer runs in its own child process.
 
 1. drain: pre-enqueued no-op events at several backlog sizes;
-2. steady state: paced producers at fractions of each system's drain rate, end-to-end
-   latency (producer send → handler start) and whether the consumer keeps up;
+2. steady state: paced producers at fractions of each system's sustained maximum (the
+   highest producer rate it kept up with here, found by bisection), end-to-end latency
+   (producer send → handler start) and whether the consumer keeps up;
 3. idle wake-up latency: NOTIFY vs poll-only;
 4. producer cost: commit rate of one-event transactions with a consumer running, the
    wake-up trigger enabled vs disabled;
@@ -67,6 +68,12 @@ class Config:
         default_factory=lambda: dict(pgqueuer_runner.DEFAULT_SETTINGS)
     )
     steady_fractions: list[float] = field(default_factory=lambda: [0.5, 0.9])
+    # "sustained": fractions of the highest producer rate the system kept up with, with
+    # the producers on the same machine (bisection between 0 and its drain rate);
+    # "drain": fractions of its drain rate with nothing else running
+    steady_max: str = "sustained"
+    capacity_steps: int = 5
+    capacity_seconds: float = 6.0
     # the same offered load for both systems, for a like-for-like latency comparison
     steady_rates: list[float] = field(default_factory=lambda: [4000.0])
     steady_seconds: float = 15.0
@@ -97,6 +104,8 @@ class Config:
             drain_rounds={5_000: 2, 20_000: 1},
             tune=False,
             steady_seconds=4.0,
+            capacity_steps=2,
+            capacity_seconds=2.0,
             wakeup_samples=15,
             producer_levels=[1, 8, 32],
             producer_seconds=1.5,
@@ -351,45 +360,111 @@ class Bench:
     async def steady_state(self) -> None:
         self.log("steady state: paced producers, end-to-end latency")
         out: list[dict[str, Any]] = []
+        maxima = {name: self.drain_rate(name) for name in self.systems}
+        if self.config.steady_fractions and self.config.steady_max == "sustained":
+            maxima = await self.sustained_maxima()
         loads: list[tuple[float | None, float | None]] = [
             (fraction, None) for fraction in self.config.steady_fractions
         ]
         loads += [(None, rate) for rate in self.config.steady_rates]
         for i, (fraction, rate) in enumerate(loads):
             for name in (AIO, PGQ) if i % 2 == 0 else (PGQ, AIO):
-                out.append(await self.steady_once(self.systems[name], fraction, rate))
+                offered = rate if rate is not None else (fraction or 1.0) * maxima[name]
+                run = await self.steady_once(self.systems[name], fraction, offered)
+                if fraction is not None:
+                    run["max_basis"] = self.config.steady_max
+                    run["max_rate"] = round(maxima[name], 1)
+                out.append(run)
         self.results["steady"] = out
 
-    async def steady_once(
-        self, system: Any, fraction: float | None, rate: float | None = None
-    ) -> dict[str, Any]:
-        """Producers at ``fraction`` of the system's drain rate, or at a fixed ``rate``."""
+    async def sustained_maxima(self) -> dict[str, float]:
+        """Bisect, per system, for the highest producer rate it keeps up with.
+
+        "Max" as a drain rate assumes nothing else runs; in a steady state the producers
+        share the machine (here: its two cores) with the consumer and the server, so the
+        fractions of the steady-state scenario are taken of this measured maximum."""
         config = self.config
-        if rate is None:
-            rate = (fraction or 1.0) * self.drain_rate(system.name)
+        self.log(
+            f"  sustained maximum: {config.capacity_steps} bisection steps of "
+            f"{config.capacity_seconds:g}s per system"
+        )
+        capacity: dict[str, Any] = {}
+        maxima: dict[str, float] = {}
+        for name in (AIO, PGQ):
+            drain = self.drain_rate(name)
+            low, high = 0.0, drain
+            probes: list[dict[str, Any]] = []
+            for _ in range(config.capacity_steps):
+                rate = (low + high) / 2
+                run = await self.steady_once(
+                    self.systems[name],
+                    None,
+                    rate,
+                    seconds=config.capacity_seconds,
+                    catch_up_timeout=2.0,  # more than the 1 s "keeps up" allows
+                )
+                # the producers share the machine: a rate they could not offer is not
+                # a rate the system sustained
+                sustained = run["keeps_up"] and run["achieved_offered_rate"] >= 0.95 * rate
+                probes.append(
+                    {
+                        "offered_rate": run["offered_rate"],
+                        "achieved_offered_rate": run["achieved_offered_rate"],
+                        "keeps_up": run["keeps_up"],
+                        "sustained": sustained,
+                        "p99_ms": run["latency_ms"].get("p99"),
+                    }
+                )
+                if sustained:
+                    low = rate
+                else:
+                    high = rate
+            # nothing kept up: fall back to the lowest rate tried rather than zero
+            maxima[name] = low or min(p["offered_rate"] for p in probes)
+            capacity[name] = {
+                "drain_max": round(drain, 1),
+                "sustained_max": round(maxima[name], 1),
+                "probes": probes,
+            }
+            self.log(f"  {name:9} sustained maximum {maxima[name]:,.0f}/s (drain {drain:,.0f}/s)")
+        self.results["capacity"] = capacity
+        return maxima
+
+    async def steady_once(
+        self,
+        system: Any,
+        fraction: float | None,
+        rate: float,
+        *,
+        seconds: float | None = None,
+        catch_up_timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """Producers at ``rate`` events/s (``fraction`` of the system's maximum, if set)."""
+        config = self.config
+        seconds = config.steady_seconds if seconds is None else seconds
+        if catch_up_timeout is None:
+            catch_up_timeout = config.catch_up_timeout
         await system.reset()
         spec = self._spec(system, "serve", self.settings[system.name], latency=True)
         async with child_process(spec) as child:
             await child.wait_ready()
             await asyncio.sleep(config.settle)
             async with BackendCpu(self.admin_dsn, system.database) as cpu:
-                produced, statement, committing = await self.paced_producers(
-                    system, rate, config.steady_seconds
-                )
+                produced, statement, committing = await self.paced_producers(system, rate, seconds)
             t_stop = time.time()
             # a consumer that fell far behind gets a bounded time to catch up
             child.send(
                 stop_after=produced,
-                timeout=config.catch_up_timeout,
+                timeout=catch_up_timeout,
                 committing=list(committing.items()),
             )
-            result = await child.result(timeout=config.catch_up_timeout + 60)
+            result = await child.result(timeout=catch_up_timeout + 60)
         catch_up = max(0.0, result["t_last"] - t_stop) if result["handled"] else None
         run = {
             "system": system.name,
             "fraction": fraction,
             "offered_rate": round(rate, 1),
-            "achieved_offered_rate": round(produced / config.steady_seconds, 1),
+            "achieved_offered_rate": round(produced / seconds, 1),
             "produced": produced,
             "handled": result["handled"],
             # from the producer sending COMMIT to the handler starting

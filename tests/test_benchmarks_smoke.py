@@ -27,6 +27,8 @@ def tiny() -> Config:
         steady_fractions=[0.5],
         steady_rates=[300.0],
         steady_seconds=0.6,
+        capacity_steps=1,
+        capacity_seconds=0.6,
         steady_producers=2,
         wakeup_samples=3,
         wakeup_gap=(0.1, 0.15),
@@ -87,6 +89,15 @@ async def test_benchmark_suite_runs_at_tiny_sizes(pg_server: str, tmp_path: Path
         )
         assert run["latency_from_begin_ms"]["p50"] >= run["latency_ms"]["p50"]
         assert isinstance(run["keeps_up"], bool)
+    # the 50% load is half of each system's sustained maximum, found by bisection
+    for system in ("aiooutbox", "pgqueuer"):
+        capacity = loaded["capacity"][system]
+        (probe,) = capacity["probes"]
+        assert probe["offered_rate"] == pytest.approx(capacity["drain_max"] / 2, rel=0.01)
+        assert isinstance(probe["sustained"], bool) and positive(capacity["sustained_max"])
+        (half,) = [r for r in loaded["steady"] if r["system"] == system and r["fraction"]]
+        assert (half["max_basis"], half["max_rate"]) == ("sustained", capacity["sustained_max"])
+        assert half["offered_rate"] == pytest.approx(capacity["sustained_max"] / 2, rel=0.01)
 
     # 3. wake-up: three modes, each saw every sample
     assert set(loaded["wakeup"]) == {"aiooutbox_notify", "aiooutbox_poll_only", "pgqueuer_notify"}
