@@ -50,7 +50,10 @@ _MAX_ERROR = 4000
 # After an empty claim, look again after these pauses before declaring idle, so that
 # under steady load a consumer never waits on NOTIFY (and producers never pay for it).
 _LINGER = (0.002, 0.004, 0.008, 0.016, 0.032)
-_FULL_CLAIM_EVERY = 0.25
+# Full claims run at least every _FULL_CLAIM_EVERY[1] s, and more often (down to
+# [0] s) while they are cheap: at most _FULL_CLAIM_SHARE of the time goes to them.
+_FULL_CLAIM_EVERY = (0.02, 0.25)
+_FULL_CLAIM_SHARE = 0.05
 _WATERMARK_LAG = timedelta(milliseconds=10)
 
 
@@ -216,6 +219,7 @@ class OutboxConsumer:
         self._topics: list[str] = []
         self._held: dict[int, tuple[int, float]] = {}  # id -> (attempts, lease extended at)
         self._watermark: tuple[datetime, int] | None = None  # see _claim
+        self._full_claim_every = _FULL_CLAIM_EVERY[1]
         self._full_claim_at = 0.0
         self._wake = asyncio.Event()
         self._slot_freed = asyncio.Event()
@@ -530,13 +534,14 @@ class OutboxConsumer:
         index until VACUUM, so a claim that always starts from the oldest entry walks
         more of them with every event handled. Most claims therefore start just before
         the ``available_at`` of the oldest row the previous claim returned; a full
-        claim at least every ``_FULL_CLAIM_EVERY`` seconds catches rows the watermark
-        hides (a producer transaction that committed late with an older ``now()``, rows
-        another consumer skipped or released), so their extra delay is bounded by it.
+        claim catches rows the watermark hides (a producer transaction that committed
+        late with an older ``now()``, rows another consumer skipped or released), so
+        their extra delay is bounded by the full claims' interval: at most 250 ms, and
+        as little as 20 ms while full claims are cheap (few dead entries to walk).
         """
         now = time.monotonic()
         args: tuple[Any, ...] = (self.worker_id, self._lease_timeout, self._topics, want)
-        full = self._watermark is None or now - self._full_claim_at >= _FULL_CLAIM_EVERY
+        full = self._watermark is None or now - self._full_claim_at >= self._full_claim_every
         if full:
             sql = self._q.claim
             self._full_claim_at = now
@@ -546,6 +551,10 @@ class OutboxConsumer:
         async with self._pool.acquire(timeout=self._timeout) as conn:
             rows: list[Any] = await conn.fetch(sql, *args, timeout=self._timeout)
         self.stats.claims += 1
+        if full:
+            low, high = _FULL_CLAIM_EVERY
+            cost = time.monotonic() - now
+            self._full_claim_every = min(high, max(low, cost / _FULL_CLAIM_SHARE))
         if rows:
             # trail the oldest row by a few milliseconds: concurrent producers commit
             # out of their now() order all the time, and a row that sorts just behind

@@ -177,13 +177,13 @@ def markdown(results: dict[str, Any]) -> str:
             "## Sustained maximum (producers on the same machine; bisection per system)",
             "",
             "| system | drain max/s | sustained max/s "
-            "| probes: offered/s (achieved) → sustained, p99 ms |",
+            "| probes: offered/s (achieved) → sustained, p50/p99 ms |",
             "|---|---:|---:|---|",
         ]
         for name, cap in capacity.items():
             probes = "; ".join(
                 f"{_fmt(p['offered_rate'])} ({_fmt(p['achieved_offered_rate'])}) → "
-                f"{_ok(p['sustained'])} {_fmt(p['p99_ms'], 1)}"
+                f"{_ok(p['sustained'])} {_fmt(p.get('p50_ms'), 1)}/{_fmt(p['p99_ms'], 1)}"
                 for p in cap["probes"]
             )
             lines.append(
