@@ -43,6 +43,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--no-tune", action="store_true", help="skip the settings search")
     parser.add_argument(
+        "--steady-fractions",
+        type=float,
+        nargs="*",
+        metavar="F",
+        help="steady-state loads as fractions of each system's maximum (default 0.5 0.9; "
+        "none: skip them and the search for the maximum)",
+    )
+    parser.add_argument(
+        "--steady-rates",
+        type=float,
+        nargs="*",
+        metavar="PER_S",
+        help="steady-state loads in events/s, the same for both systems (default 4000)",
+    )
+    parser.add_argument(
         "--steady-max",
         choices=["sustained", "drain"],
         default="sustained",
@@ -75,6 +90,10 @@ def config_from(args: argparse.Namespace) -> Config:
     if args.no_tune:
         config.tune = False
     config.steady_max = args.steady_max
+    if args.steady_fractions is not None:
+        config.steady_fractions = args.steady_fractions
+    if args.steady_rates is not None:
+        config.steady_rates = args.steady_rates
     if args.patch:
         config.patch = str(args.patch.resolve())
     if args.sql_patch:
