@@ -17,7 +17,9 @@
 
 -- Claim up to p_limit claimable rows, oldest first, for p_worker. With a watermark
 -- (p_after_at, p_after_id) the scan starts just after it, skipping the dead index
--- entries of rows claimed since the last VACUUM.
+-- entries of rows claimed since the last VACUUM. Two statements rather than one with
+-- `p_after_at IS NULL OR …`: in a cached plan only the plain row comparison is an
+-- index condition.
 CREATE FUNCTION "{{schema}}"."{{table}}_claim"(
     p_worker TEXT, p_lease FLOAT8, p_topics TEXT[], p_limit INT,
     p_after_at TIMESTAMPTZ DEFAULT NULL, p_after_id BIGINT DEFAULT NULL)
