@@ -99,7 +99,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             "claim plan (custom and generic) on the claimable partial index",
             "yes",
             None,
-            bool(plan["uses_index"]),
+            plan.get("uses_index"),
         )
     rss = results.get("rss", {}).get(AIO)
     if rss:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+import uuid
 from datetime import datetime, timedelta, timezone
 
 import asyncpg
@@ -591,6 +592,21 @@ async def test_claim_plan_uses_the_partial_index(pool: asyncpg.Pool) -> None:
             stmt = await conn.prepare("EXPLAIN " + queries().recover_expired)
             plan = "\n".join(r[0] for r in await stmt.fetch(100))
         assert "outbox_events_lease_idx" in plan and "Seq Scan" not in plan, plan
+
+
+async def test_reading_plans_needs_a_superuser(empty_dsn: str) -> None:
+    role = f"aiooutbox_plans_{uuid.uuid4().hex[:8]}"  # roles are cluster-wide
+    conn = await asyncpg.connect(empty_dsn)
+    try:
+        await aiooutbox.migrate(conn)
+        await conn.execute(f"CREATE ROLE {role} NOLOGIN")
+        await conn.execute(f"SET ROLE {role}")
+        with pytest.raises(aiooutbox.OutboxError, match="needs a superuser"):
+            await hot_path_plans(conn, queries(), ["x"])
+    finally:
+        await conn.execute("RESET ROLE")
+        await conn.execute(f"DROP ROLE IF EXISTS {role}")
+        await conn.close()
 
 
 async def test_plans_made_on_an_empty_table_survive_a_backlog(empty_dsn: str) -> None:
