@@ -14,6 +14,7 @@ import aiooutbox
 from aiooutbox import NewEvent, SchemaNotReady, SchemaTooNew
 from aiooutbox._sql import queries
 from aiooutbox.migrations import latest_version, migrations
+from tests.helpers import all_in, running, wait_until
 
 OUTBOX_OBJECTS = {
     ("outbox_events", "r"),
@@ -288,6 +289,35 @@ async def test_check_schema_reports_missing_migrations(empty_dsn: str) -> None:
             await aiooutbox.check_schema(conn)
         assert await aiooutbox.migrate(conn) == ALL
         await aiooutbox.check_schema(conn)
+    finally:
+        await conn.close()
+
+
+async def test_an_outbox_from_version_1_upgrades_and_keeps_its_events(empty_dsn: str) -> None:
+    conn = await asyncpg.connect(empty_dsn)
+    try:
+        await aiooutbox.migrate(conn)
+        # back to what aiooutbox with only migration 0001 left behind
+        await conn.execute(
+            "DROP FUNCTION outbox_events_claim, outbox_events_settle_done,"
+            " outbox_events_settle_failed;"
+            " DELETE FROM outbox_events_migrations WHERE version > 1"
+        )
+        event_id = await aiooutbox.enqueue(conn, "t", {"before": "upgrade"})
+        with pytest.raises(SchemaNotReady, match=re.escape("lacks migration(s) [2]")):
+            await aiooutbox.check_schema(conn)
+        assert await aiooutbox.migrate(conn) == [2]
+        await aiooutbox.check_schema(conn)
+        seen: list[int] = []
+
+        async def handle(event: aiooutbox.Event) -> None:
+            seen.append(event.id)
+
+        async with asyncpg.create_pool(empty_dsn, min_size=1, max_size=3) as pool:
+            consumer = aiooutbox.OutboxConsumer(pool)
+            async with running(consumer, {"t": handle}):
+                await wait_until(all_in(pool, "done", 1))
+        assert seen == [event_id]
     finally:
         await conn.close()
 
