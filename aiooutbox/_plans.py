@@ -74,8 +74,12 @@ async def hot_path_plans(
         for name, sql, args in statements:
             messages.clear()
             await conn.fetch(sql, *args)
-            await asyncio.sleep(0)  # log listeners run in a later loop iteration
-            nested = [m for m in messages if "Query Text: UPDATE" in m]
+            nested: list[str] = []
+            for attempt in range(50):  # log listeners run in a later loop iteration
+                await asyncio.sleep(0.01 if attempt else 0)
+                nested = [m for m in messages if "Query Text: UPDATE" in m]
+                if nested:
+                    break
             if not nested:
                 raise OutboxError(f"auto_explain reported no plan for {name}")
             plans[name] = nested[-1].split("\n", 1)[1]
