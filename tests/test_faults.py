@@ -274,7 +274,7 @@ async def listen_latency(
     consumer: aiooutbox.OutboxConsumer, recorder: Recorder, conn: asyncpg.Connection
 ) -> float:
     """Seconds from enqueue to handler for one event sent to an idle, listening consumer."""
-    await wait_until(lambda: _idle(consumer), 15, "the consumer to listen and go idle")
+    await wait_until(lambda: _idle(consumer, conn), 15, "the consumer to listen and go idle")
     event_id = await aiooutbox.enqueue(conn, "t", {"probe": True})
     assert event_id is not None
     sent = time.monotonic()
@@ -286,13 +286,23 @@ async def listen_latency(
     return recorder.seen[event_id] - sent
 
 
-async def _idle(consumer: aiooutbox.OutboxConsumer) -> bool:
-    # listening, nothing in flight, and past the linger of its last empty claim
+async def _idle(consumer: aiooutbox.OutboxConsumer, db: asyncpg.Connection | asyncpg.Pool) -> bool:
+    # listening, nothing in flight, past the linger of its last empty claim, and
+    # advertised as idle (a consumer sleeping off a failed claim's backoff also stops
+    # claiming for a while, but nothing wakes it early: it is not idle)
     if not consumer.listening or consumer.stats.in_flight:
         return False
     claims = consumer.stats.claims
     await asyncio.sleep(0.3)
-    return consumer.stats.claims == claims and consumer.listening
+    if consumer.stats.claims != claims or not consumer.listening:
+        return False
+    try:
+        advertised = await db.fetchval(
+            "SELECT count(*) FROM outbox_events_idle WHERE worker_id = $1", consumer.worker_id
+        )
+    except (OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError):
+        return False  # a pooled connection the last crash broke: ask again
+    return bool(advertised)
 
 
 async def test_postgres_restart_and_outage(private_pg: PrivatePostgres, private_dsn: str) -> None:
@@ -349,7 +359,7 @@ async def test_postgres_restart_and_outage(private_pg: PrivatePostgres, private_
 
             # 3. crash while the consumer idles on LISTEN: the crash empties the unlogged
             # idle table its wake-up depends on
-            await wait_until(lambda: _idle(consumer), 15, "the consumer to go idle")
+            await wait_until(lambda: _idle(consumer, pool), 15, "the consumer to go idle")
             assert consumer._listener is not None
             seen = consumer._listener.reconnects
             await asyncio.to_thread(private_pg.restart, "immediate")
