@@ -14,7 +14,7 @@ pytest.importorskip("psutil")
 
 from benchmarks import report
 from benchmarks.__main__ import parse
-from benchmarks.scenarios import Bench, Config
+from benchmarks.scenarios import Bench, Config, latency_grew
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -138,3 +138,15 @@ async def test_benchmark_suite_runs_at_tiny_sizes(pg_server: str, tmp_path: Path
 def test_cli_parses_the_documented_command() -> None:
     args = parse(["--dsn", "postgresql://postgres@127.0.0.1:5432/postgres", "--quick"])
     assert args.quick and not args.full and args.out == Path("benchmarks/results")
+
+
+def test_latency_grew_tells_a_building_backlog_from_a_steady_one() -> None:
+    def series(p50s: list[float]) -> list[list[float]]:
+        return [[i / 2, p50, p50 * 2, 100] for i, p50 in enumerate(p50s)]
+
+    assert not latency_grew(series([12, 14, 11, 13, 15, 12, 14, 13, 12]))
+    # a standing backlog: high but flat latency is still sustained
+    assert not latency_grew(series([200, 210, 190, 205, 215, 195, 200, 210, 205]))
+    assert latency_grew(series([10, 12, 40, 90, 150, 230, 300, 380, 460]))
+    # windows without events do not count, and too few windows never judge
+    assert not latency_grew([[0, 5, 9, 0], [0.5, 900, 900, 0], [1, 5, 9, 10]])
