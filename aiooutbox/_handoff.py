@@ -43,6 +43,10 @@ class Handoff(Generic[T]):
                 waiter.set_result(None)
                 return
 
+    def take_nowait(self) -> T | None:
+        """The next item if one is queued (for releasing what no worker took)."""
+        return self._items.popleft() if self._items else None
+
     async def get(self) -> T | None:
         """The next item, or ``None`` once the channel is closed and drained."""
         while not self._items:

@@ -31,7 +31,7 @@ class Listener:
         self,
         pool: asyncpg.Pool,
         channel: str,
-        topics: Collection[str],
+        topics: Collection[str] | None,
         on_wake: Callable[[], None],
         *,
         dsn: str | None,
@@ -40,7 +40,7 @@ class Listener:
     ) -> None:
         self._pool = pool
         self._channel = channel
-        self._topics = frozenset(topics)
+        self._topics = None if topics is None else frozenset(topics)  # None: every topic
         self._on_wake = on_wake
         self._dsn = dsn
         self._keepalive = keepalive
@@ -57,7 +57,7 @@ class Listener:
         return await asyncpg.connect(*args, **kwargs)
 
     def _notified(self, _conn: object, _pid: int, _channel: str, topic: str) -> None:
-        if topic in self._topics:
+        if self._topics is None or topic in self._topics:
             self._on_wake()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:

@@ -9,7 +9,6 @@ no extra process. Retention purges old ``done`` rows in bounded batches.
 from __future__ import annotations
 
 import logging
-import math
 import random
 import time
 from collections.abc import Callable
@@ -17,7 +16,8 @@ from collections.abc import Callable
 import anyio
 import asyncpg
 
-from ._db import TRANSIENT_ERRORS, bounded
+from ._db import TRANSIENT_ERRORS, bounded, check_permanent
+from ._leases import Leases
 from ._sql import Queries
 
 __all__ = ["Maintenance"]
@@ -37,7 +37,7 @@ class Maintenance:
         queries: Queries,
         worker_id: str,
         *,
-        held: dict[int, tuple[int, float]],
+        leases: Leases,
         on_recovered: Callable[[int], None],
         lease_timeout: float,
         retention: float | None,
@@ -46,7 +46,7 @@ class Maintenance:
         self._pool = pool
         self._q = queries
         self._worker_id = worker_id
-        self._held = held  # the consumer's id -> (attempts, lease extended at), shared
+        self._leases = leases
         self._on_recovered = on_recovered
         self._lease_timeout = lease_timeout
         self._retention = retention
@@ -58,7 +58,7 @@ class Maintenance:
         while True:
             await anyio.sleep(interval * random.uniform(0.8, 1.0))
             now = time.monotonic()
-            due = [i for i, (_, extended) in self._held.items() if now - extended >= interval]
+            due = self._leases.due(interval)
             if not due:
                 continue
             try:
@@ -72,22 +72,20 @@ class Maintenance:
                     timeout=self._timeout,
                 )
             except TRANSIENT_ERRORS as exc:
+                check_permanent(exc, "extending leases")
                 logger.warning("lease heartbeat failed (%s: %s)", type(exc).__name__, exc)
                 continue
             alive = {r[0] for r in kept}
             for event_id in due:
-                held = self._held.get(event_id)
-                if held is None:
-                    continue
                 if event_id in alive:
-                    self._held[event_id] = (held[0], now)
-                else:
+                    self._leases.renewed(event_id, now)
+                elif event_id in self._leases:
                     logger.warning(
                         "event %d: lease lost while its handler runs; its outcome will be ignored",
                         event_id,
                         extra={"event_id": event_id},
                     )
-                    self._held[event_id] = (held[0], math.inf)
+                    self._leases.lost(event_id)
 
     async def recovery_loop(self) -> None:
         """Recover expired leases; purge old ``done`` rows and stale idle adverts."""
@@ -102,6 +100,7 @@ class Maintenance:
                     next_purge = time.monotonic() + _PURGE_EVERY
                     await self._purge(self._retention)
             except TRANSIENT_ERRORS as exc:
+                check_permanent(exc, "recovering expired leases")
                 logger.warning("maintenance failed (%s: %s)", type(exc).__name__, exc)
             await anyio.sleep(interval * random.uniform(0.8, 1.2))
 

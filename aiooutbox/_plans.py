@@ -10,7 +10,7 @@ check that the claim stays on the claimable index; it needs a superuser (``LOAD`
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
@@ -21,6 +21,7 @@ from .errors import OutboxError
 __all__ = ["hot_path_plans"]
 
 _WORKER = "aiooutbox-plans"
+_BYTES = 1 << 40
 
 
 async def hot_path_plans(
@@ -60,10 +61,10 @@ async def hot_path_plans(
         )
         if generic:
             await conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
-        epoch = datetime(1970, 1, 1, tzinfo=timezone.utc)
+        epoch = datetime(1970, 1, 1, tzinfo=UTC)
         statements: list[tuple[str, str, tuple[Any, ...]]] = [
-            ("claim", q.claim, (_WORKER, 30.0, topics, 100)),
-            ("claim_after", q.claim_after, (_WORKER, 30.0, topics, 100, epoch, 0)),
+            ("claim", q.claim, (_WORKER, 30.0, topics, 100, _BYTES)),
+            ("claim_after", q.claim_after, (_WORKER, 30.0, topics, 100, _BYTES, epoch, 0)),
             ("settle_done", q.settle_done, ([0], _WORKER, 1)),
             (
                 "settle_failed",
@@ -74,15 +75,21 @@ async def hot_path_plans(
         for name, sql, args in statements:
             messages.clear()
             await conn.fetch(sql, *args)
-            nested: list[str] = []
+            # the call itself is logged last, after the statements inside it
             for attempt in range(50):  # log listeners run in a later loop iteration
                 await asyncio.sleep(0.01 if attempt else 0)
-                nested = [m for m in messages if "Query Text: UPDATE" in m]
-                if nested:
+                if any(f"Query Text: {sql}" in m for m in messages):
                     break
-            if not nested:
+            # the claim picks its rows in one statement and updates them in another:
+            # every statement the function ran on the outbox table, in order
+            inner = [
+                m
+                for m in messages
+                if "Query Text:" in m and q.qualified in m and f"Query Text: {sql}" not in m
+            ]
+            if not any("Query Text: UPDATE" in m for m in inner):
                 raise OutboxError(f"auto_explain reported no plan for {name}")
-            plans[name] = nested[-1].split("\n", 1)[1]
+            plans[name] = "\n".join(m.split("\n", 1)[1] for m in inner)
     finally:
         # nothing the statements did is kept
         await transaction.rollback()

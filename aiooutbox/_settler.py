@@ -2,9 +2,11 @@
 
 Outcomes are buffered and written with one statement per (kind, attempt) group: ``done``
 rows as ``WHERE id = ANY($1)`` (through the primary key, whatever the backlog), failures
-with their delays and errors. A flush that fails is retried with backoff; nothing is
-dropped while the process lives, and the last flush on stop is shielded from
-cancellation.
+with their delays and errors. A flush that fails on passing trouble is retried with
+backoff; one that fails on a refused value (SQLSTATE class 22) is split until the bad
+row is alone, which is then written with a placeholder error, so one row can never hold
+back the others. `close` makes the last flush, shielded from cancellation and bounded
+by its deadline even while a background flush is retrying.
 """
 
 from __future__ import annotations
@@ -17,32 +19,30 @@ from dataclasses import dataclass, field
 import anyio
 import asyncpg
 
-from ._db import TRANSIENT_ERRORS
+from ._db import TRANSIENT_ERRORS, check_permanent, is_data_error, pool_is_closed
+from ._rows import Outcome, Settlement
 from ._sql import Queries
 
-__all__ = ["Failure", "Settler"]
+__all__ = ["Settler"]
 
 logger = logging.getLogger("aiooutbox.settler")
 
-
-@dataclass(frozen=True, slots=True)
-class Failure:
-    id: int
-    attempts: int
-    delay: float
-    error: str
-    force_dead: bool
-    released: bool = False
+_SHOWN_IDS = 20  # ids named in a log line about outcomes that could not be written
+_PLACEHOLDER = "(the error text of this attempt could not be stored: {})"
 
 
 @dataclass
 class _Batch:
     done: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
-    failed: dict[int, list[Failure]] = field(default_factory=lambda: defaultdict(list))
+    failed: dict[int, list[Settlement]] = field(default_factory=lambda: defaultdict(list))
     size: int = 0
 
     def __bool__(self) -> bool:
         return self.size > 0
+
+    def ids(self) -> list[int]:
+        ids = [i for group in self.done.values() for i in group]
+        return ids + [s.id for group in self.failed.values() for s in group]
 
 
 class Settler:
@@ -68,18 +68,17 @@ class Settler:
         self._has_work = anyio.Event()
         self._flushed = anyio.Event()
         self._flush_lock = anyio.Lock()
+        self._deadline: float | None = None  # set by close(): every flush gives up then
+        self._writing = _Batch()  # the batch a flush is writing now
         self.fenced = 0  # outcomes ignored because the lease had moved on
+        self.abandoned = 0  # outcomes given up at shutdown (their leases will expire)
 
     # -- recording (synchronous, never fails) --------------------------------------
-    def done(self, event_id: int, attempts: int) -> None:
-        self._pending.done[attempts].append(event_id)
-        self._added()
-
-    def failed(self, failure: Failure) -> None:
-        self._pending.failed[failure.attempts].append(failure)
-        self._added()
-
-    def _added(self) -> None:
+    def record(self, settlement: Settlement) -> None:
+        if settlement.outcome is Outcome.DONE:
+            self._pending.done[settlement.attempts].append(settlement.id)
+        else:
+            self._pending.failed[settlement.attempts].append(settlement)
         self._pending.size += 1
         if self._pending.size == 1 or self._pending.size >= self._flush_size:
             self._has_work.set()
@@ -87,6 +86,10 @@ class Settler:
     @property
     def backlog(self) -> int:
         return self._pending.size
+
+    def unsettled_ids(self) -> list[int]:
+        """Rows whose outcome is recorded here but not yet written (still processing)."""
+        return self._pending.ids() + self._writing.ids()
 
     async def wait_flushed(self) -> None:
         """Wait until the next flush completes (used for back-pressure)."""
@@ -104,37 +107,42 @@ class Settler:
                     while self._pending.size < self._flush_size:
                         await self._has_work.wait()
                         self._has_work = anyio.Event()
-            await self._flush_with_retry(deadline=None)
+            async with self._flush_lock:
+                await self._flush_locked()
 
     async def close(self, timeout: float) -> None:
-        """Final flush, shielded from cancellation, bounded by ``timeout`` seconds."""
+        """Final flush, shielded from cancellation, given up after ``timeout`` seconds.
+
+        A background flush that is retrying sees the same deadline and stops at it, so
+        the bound holds whatever it was doing; only a write already under way (itself
+        bounded by the statement timeout) is waited for.
+        """
         with anyio.CancelScope(shield=True):
-            await self._flush_with_retry(deadline=anyio.current_time() + timeout)
+            self._deadline = anyio.current_time() + timeout
+            with anyio.move_on_after(timeout + 2 * self._timeout):
+                async with self._flush_lock:
+                    await self._flush_locked()
+            self._abandon("the database could not be reached before the shutdown deadline")
 
-    async def _flush_with_retry(self, deadline: float | None) -> None:
-        # one flusher at a time, so the final flush waits for a write already under way
-        async with self._flush_lock:
-            await self._flush_locked(deadline)
-
-    async def _flush_locked(self, deadline: float | None) -> None:
+    async def _flush_locked(self) -> None:
         delay = 0.05
         while self._pending:
             batch, self._pending = self._pending, _Batch()
+            self._writing = batch
             try:
                 # a write under way finishes even if we are cancelled: its rows are settled
                 with anyio.CancelScope(shield=True):
                     await self._write(batch)
             except TRANSIENT_ERRORS as exc:
+                self._writing = _Batch()
+                check_permanent(exc, "writing outcomes")
                 self._merge_back(batch)
+                if pool_is_closed(self._pool):
+                    self._abandon("the asyncpg pool was closed")
+                    return
+                deadline = self._deadline
                 if deadline is not None and anyio.current_time() + delay > deadline:
-                    logger.error(
-                        "gave up flushing %d outcomes at shutdown (%s); their leases will "
-                        "expire and the events will be retried",
-                        batch.size,
-                        exc,
-                        extra={"outcomes": batch.size},
-                    )
-                    self._pending = _Batch()
+                    self._abandon(f"{type(exc).__name__}: {exc}")
                     return
                 logger.warning(
                     "settlement flush failed (%s: %s); retrying in %.2fs",
@@ -145,8 +153,26 @@ class Settler:
                 )
                 await anyio.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 5.0)
+            else:
+                self._writing = _Batch()
         flushed, self._flushed = self._flushed, anyio.Event()
         flushed.set()
+
+    def _abandon(self, why: str) -> None:
+        if not self._pending:
+            return
+        ids = self._pending.ids()
+        self.abandoned += len(ids)
+        shown = ", ".join(map(str, ids[:_SHOWN_IDS])) + (" ..." if len(ids) > _SHOWN_IDS else "")
+        logger.error(
+            "gave up writing %d outcome(s) at shutdown (%s); their leases will expire and "
+            "the events will be retried: ids %s",
+            len(ids),
+            why,
+            shown,
+            extra={"outcomes": len(ids), "event_ids": ids[:1000]},
+        )
+        self._pending = _Batch()
 
     def _merge_back(self, batch: _Batch) -> None:
         for attempts, ids in batch.done.items():
@@ -155,42 +181,114 @@ class Settler:
             self._pending.failed[attempts].extend(failures)
         self._pending.size += batch.size
 
-    async def _write(self, batch: _Batch) -> None:
+    def _statements(self, batch: _Batch) -> list[tuple[str, tuple[object, ...], int]]:
         statements: list[tuple[str, tuple[object, ...], int]] = [
             (self._q.settle_done, (ids, self._worker_id, attempts), len(ids))
             for attempts, ids in batch.done.items()
         ]
         statements += [
-            (
-                self._q.settle_failed,
-                (
-                    [f.id for f in failures],
-                    [f.delay for f in failures],
-                    [f.error for f in failures],
-                    [f.force_dead for f in failures],
-                    [f.released for f in failures],
-                    self._worker_id,
-                    attempts,
-                ),
-                len(failures),
-            )
+            self._failed_statement(attempts, failures)
             for attempts, failures in batch.failed.items()
         ]
+        return statements
+
+    def _failed_statement(
+        self, attempts: int, failures: list[Settlement]
+    ) -> tuple[str, tuple[object, ...], int]:
+        return (
+            self._q.settle_failed,
+            (
+                [f.id for f in failures],
+                [f.delay for f in failures],
+                [f.error for f in failures],
+                [f.outcome is Outcome.DEAD for f in failures],
+                [f.outcome is Outcome.RELEASED for f in failures],
+                self._worker_id,
+                attempts,
+            ),
+            len(failures),
+        )
+
+    async def _write(self, batch: _Batch) -> None:
+        statements = self._statements(batch)
         async with self._pool.acquire(timeout=self._timeout) as conn:
-            # one statement needs no explicit transaction (and saves two round trips);
-            # several are applied together so a retried flush never half-repeats
-            if len(statements) == 1:
-                results = [
-                    await conn.fetchval(statements[0][0], *statements[0][1], timeout=self._timeout)
-                ]
-            else:
-                async with conn.transaction():
-                    results = [
-                        await conn.fetchval(sql, *args, timeout=self._timeout)
-                        for sql, args, _ in statements
-                    ]
+            try:
+                results = await self._execute(conn, statements)
+            except asyncpg.PostgresError as exc:
+                if not is_data_error(exc):
+                    raise
+                # a refused value: never retry the batch as a whole (it would fail forever)
+                await self._write_apart(conn, batch, exc)
+                return
         for (_, _, expected), updated in zip(statements, results, strict=True):
             self._count_fenced(updated, expected)
+
+    async def _execute(
+        self, conn: asyncpg.Connection, statements: list[tuple[str, tuple[object, ...], int]]
+    ) -> list[int]:
+        # one statement needs no explicit transaction (and saves two round trips);
+        # several are applied together so a retried flush never half-repeats
+        if len(statements) == 1:
+            sql, args, _ = statements[0]
+            return [await conn.fetchval(sql, *args, timeout=self._timeout)]
+        async with conn.transaction():
+            return [
+                await conn.fetchval(sql, *args, timeout=self._timeout)
+                for sql, args, _ in statements
+            ]
+
+    async def _write_apart(
+        self, conn: asyncpg.Connection, batch: _Batch, first: asyncpg.PostgresError
+    ) -> None:
+        logger.warning(
+            "settlement flush refused a value (%s: %s); writing the %d outcome(s) apart",
+            type(first).__name__,
+            first,
+            batch.size,
+        )
+        for attempts, ids in batch.done.items():
+            statement = (self._q.settle_done, (ids, self._worker_id, attempts), len(ids))
+            self._count_fenced((await self._execute(conn, [statement]))[0], len(ids))
+        for attempts, failures in batch.failed.items():
+            await self._write_failures(conn, attempts, failures)
+
+    async def _write_failures(
+        self, conn: asyncpg.Connection, attempts: int, failures: list[Settlement]
+    ) -> None:
+        try:
+            updated = (await self._execute(conn, [self._failed_statement(attempts, failures)]))[0]
+        except asyncpg.PostgresError as exc:
+            if not is_data_error(exc):
+                raise
+            if len(failures) > 1:
+                half = len(failures) // 2
+                await self._write_failures(conn, attempts, failures[:half])
+                await self._write_failures(conn, attempts, failures[half:])
+                return
+            bad = failures[0]
+            if bad.error.startswith(_PLACEHOLDER[:20]):
+                logger.error(
+                    "event %d: its outcome was refused even with a placeholder error (%s); "
+                    "its lease will expire and it will be retried",
+                    bad.id,
+                    exc,
+                    extra={"event_id": bad.id},
+                )
+                return
+            logger.warning(
+                "event %d: error text refused (%s); storing a placeholder instead",
+                bad.id,
+                exc,
+                extra={"event_id": bad.id},
+            )
+            placeholder = _PLACEHOLDER.format(type(exc).__name__)
+            await self._write_failures(
+                conn,
+                attempts,
+                [Settlement(bad.id, bad.attempts, bad.outcome, bad.delay, placeholder)],
+            )
+            return
+        self._count_fenced(updated, len(failures))
 
     def _count_fenced(self, updated: int, expected: int) -> None:
         if updated < expected:

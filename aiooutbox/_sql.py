@@ -76,6 +76,10 @@ class Queries:
         return f'"{self.schema}"."{self.table}_migrations"'
 
     @property
+    def compat_versions_table(self) -> str:
+        return f'"{self.schema}"."{self.table}_migrations_compat"'
+
+    @property
     def status_type(self) -> str:
         return f'"{self.schema}"."{self.table}_status"'
 
@@ -106,6 +110,26 @@ class Queries:
             f"CREATE TABLE IF NOT EXISTS {self.versions_table} ("
             " version INT PRIMARY KEY, name TEXT NOT NULL,"
             " applied_at TIMESTAMPTZ NOT NULL DEFAULT now())"
+        )
+
+    @property
+    def create_compat_versions_table(self) -> str:
+        # migrations that declare the oldest schema version whose code still works on them
+        return (
+            f"CREATE TABLE IF NOT EXISTS {self.compat_versions_table} ("
+            " version INT PRIMARY KEY, name TEXT NOT NULL, compatible_with INT NOT NULL,"
+            " applied_at TIMESTAMPTZ NOT NULL DEFAULT now())"
+        )
+
+    @property
+    def compat_versions(self) -> str:
+        return f"SELECT version, compatible_with FROM {self.compat_versions_table}"
+
+    @property
+    def record_compat_version(self) -> str:
+        return (
+            f"INSERT INTO {self.compat_versions_table} (version, name, compatible_with)"
+            " VALUES ($1, $2, $3)"
         )
 
     @property
@@ -165,17 +189,19 @@ class Queries:
 
     @property
     def claim(self) -> str:
-        # $1 worker id, $2 lease seconds, $3 topics, $4 limit; the claimed rows are
-        # (id, topic, payload, dedupe_key, headers, attempts, max_attempts, created_at,
-        # available_at)
-        return f"SELECT * FROM {self._function('claim')}($1, $2::float8, $3::text[], $4::int)"
+        # $1 worker id, $2 lease seconds, $3 topics (NULL: every topic), $4 limit,
+        # $5 byte cap; the claimed rows are `ClaimedRow`'s columns (migration 0003)
+        return (
+            f"SELECT * FROM {self._function('claim_v3')}"
+            "($1, $2::float8, $3::text[], $4::int, $5::bigint)"
+        )
 
     @property
     def claim_after(self) -> str:
-        # the claim, starting after a watermark: $5 available_at, $6 id
+        # the claim, starting after a watermark: $6 available_at, $7 id
         return (
-            f"SELECT * FROM {self._function('claim')}"
-            "($1, $2::float8, $3::text[], $4::int, $5::timestamptz, $6::bigint)"
+            f"SELECT * FROM {self._function('claim_v3')}"
+            "($1, $2::float8, $3::text[], $4::int, $5::bigint, $6::timestamptz, $7::bigint)"
         )
 
     @property
@@ -223,12 +249,32 @@ class Queries:
         )
 
     @property
-    def next_available(self) -> str:
-        # seconds until the earliest claimable row for these topics becomes due
+    def release_orphans(self) -> str:
+        # $1 worker id, $2 ids this worker holds: rows claimed under our id whose claim
+        # reply never reached us go back to retry at once (through the lease index,
+        # which holds only rows being processed); a release never sends a row to dead
         return (
-            "SELECT extract(epoch FROM (min(available_at) - now()))::float8"
+            f"UPDATE {self.qualified} AS e SET status = 'retry', available_at = now(),"
+            " lease_expires_at = NULL, updated_at = now(),"
+            " last_error = 'released: the claim reply never reached worker ' || e.locked_by"
+            " WHERE e.id = ANY (ARRAY("
+            f"  SELECT c.id FROM {self.qualified} AS c"
+            "   WHERE c.lease_expires_at IS NOT NULL AND c.status = 'processing'"
+            "   AND c.locked_by = $1 AND NOT (c.id = ANY ($2::bigint[]))"
+            "   ORDER BY c.lease_expires_at FOR UPDATE SKIP LOCKED))"
+            " RETURNING e.id"
+        )
+
+    @property
+    def next_available(self) -> str:
+        # seconds until the earliest claimable row for these topics (NULL: all) becomes
+        # due; rows a raw SQL producer scheduled at +-infinity neither break the
+        # subtraction nor count as due
+        return (
+            "SELECT extract(epoch FROM (min(greatest(available_at, now())) - now()))::float8"
             f" FROM {self.qualified}"
-            " WHERE status IN ('pending', 'retry') AND topic = ANY ($1::text[])"
+            " WHERE status IN ('pending', 'retry') AND available_at < 'infinity'"
+            " AND ($1::text[] IS NULL OR topic = ANY ($1::text[]))"
         )
 
     @property

@@ -1,8 +1,8 @@
-"""`OutboxConsumer`: claim, run, settle, recover.
+"""`OutboxConsumer`: the public façade that wires the consumer's parts together.
 
-One dispatch loop claims rows with a single statement sized to the free handler slots,
-a fixed set of worker tasks runs the handlers, a `Settler` writes outcomes in batches,
-and background loops keep leases alive, recover expired ones and purge old rows. Every
+The claim loop is `_dispatcher`, running one handler is `_executor`, writing outcomes
+is `_settler`, what this consumer holds is `_leases`, heartbeats, recovery and
+retention are `_maintenance`, and the options are validated once in `_options`. Every
 task is owned by `run()`, which returns after `stop()` once in-flight work is settled.
 """
 
@@ -10,101 +10,58 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import os
-import random
-import socket
-import sys
-import time
-import traceback
-import uuid
-from collections.abc import Awaitable, Collection, Mapping
-from dataclasses import dataclass
-from datetime import datetime, timedelta
-from typing import Any
+from collections.abc import Collection, Mapping, Sequence
+from datetime import timedelta
 
 import anyio
 import asyncpg
+from anyio.abc import TaskStatus
 
-if sys.version_info < (3, 11):
-    from exceptiongroup import BaseExceptionGroup
-
-from ._codec import Decoder, decode_json
-from ._db import TRANSIENT_ERRORS, bounded, pool_is_closed
+from ._codec import Decoder
+from ._db import TRANSIENT_ERRORS, PermanentDatabaseError, bounded
+from ._dispatcher import Dispatcher, Signals, declare
+from ._executor import ConsumerStats, Executor
 from ._handoff import Handoff
+from ._leases import Leases
 from ._listener import Listener
 from ._maintenance import Maintenance
-from ._settler import Failure, Settler
-from ._sql import DEFAULT_SCHEMA, DEFAULT_TABLE, queries
-from .errors import Dead, InvalidArgument, OutboxError, Retry
-from .events import Event
-from .handlers import Handler, resolve_handlers
+from ._options import DEFAULT_MAX_CLAIM_BYTES, ConsumerOptions
+from ._rows import ClaimedRow
+from ._settler import Settler
+from ._sql import DEFAULT_SCHEMA, DEFAULT_TABLE
+from .errors import InvalidArgument
+from .handlers import ALL_TOPICS, Handler, HandlerFunc, resolve_handlers
 from .migrations import check_schema
+from .observe import Observer, Observers
 from .retry import RetryPolicy
 
 __all__ = ["ConsumerStats", "OutboxConsumer"]
 
 logger = logging.getLogger("aiooutbox.consumer")
 
-_MAX_ERROR = 4000
-# After an empty claim, look again after these pauses before declaring idle, so that
-# under steady load a consumer never waits on NOTIFY (and producers never pay for it).
-_LINGER = (0.002, 0.004, 0.008, 0.016, 0.032)
-# Full claims run at least every _FULL_CLAIM_EVERY[1] s, and more often (down to
-# [0] s) while they are cheap: at most _FULL_CLAIM_SHARE of the time goes to them.
-_FULL_CLAIM_EVERY = (0.02, 0.25)
-_FULL_CLAIM_SHARE = 0.05
-_WATERMARK_LAG = timedelta(milliseconds=10)
-
-
-@dataclass
-class ConsumerStats:
-    """Counters since the consumer started; cheap to read at any time."""
-
-    claimed: int = 0
-    done: int = 0
-    retried: int = 0
-    dead: int = 0
-    released: int = 0
-    in_flight: int = 0
-    claims: int = 0
-    recovered: int = 0
-
-
-def _seconds(name: str, value: object, *, minimum: float = 0.0) -> float:
-    if isinstance(value, timedelta):
-        value = value.total_seconds()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number of seconds or a timedelta, not {value!r}")
-    if not math.isfinite(value) or value < minimum:
-        raise InvalidArgument(f"{name} must be a finite number >= {minimum}, got {value!r}")
-    return float(value)
-
-
-def _optional_seconds(name: str, value: object, *, minimum: float) -> float | None:
-    return None if value is None else _seconds(name, value, minimum=minimum)
-
-
-def _count(name: str, value: object, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, not {value!r}")
-    if not low <= value <= high:
-        raise InvalidArgument(f"{name} must be between {low} and {high}, got {value}")
-    return value
+Handlers = Mapping[str, "HandlerFunc | Handler"]
 
 
 def _sole(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    """Unwrap a task group's error when it holds exactly one, for a readable traceback."""
-    while isinstance(group, BaseExceptionGroup) and len(group.exceptions) == 1:
-        group = group.exceptions[0]  # type: ignore[assignment,unused-ignore]
-    error: BaseException = group
-    return error
+    """The error to raise from run() for a task group's errors, for a readable traceback.
 
+    A database refusal that retrying cannot fix is often hit by several loops at once
+    (claim, recovery, heartbeat): the first one says what to fix.
+    """
+    leaves: list[BaseException] = []
 
-def _describe(exc: BaseException) -> str:
-    text = f"{type(exc).__qualname__}: {exc}"
-    trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-8))
-    return (text + "\n" + trace[-(_MAX_ERROR - len(text) - 1) :])[:_MAX_ERROR]
+    def collect(error: BaseException) -> None:
+        if isinstance(error, BaseExceptionGroup):
+            for inner in error.exceptions:
+                collect(inner)
+        else:
+            leaves.append(error)
+
+    collect(group)
+    permanent = [e for e in leaves if isinstance(e, PermanentDatabaseError)]
+    if permanent:
+        return permanent[0]
+    return leaves[0] if len(leaves) == 1 else group
 
 
 class OutboxConsumer:
@@ -117,6 +74,9 @@ class OutboxConsumer:
     - ``concurrency=64``: handlers running at once, and the most rows this consumer holds.
       Higher drains faster but holds more leases if the process dies.
     - ``batch_size=None`` (= concurrency): the most rows one claim takes.
+    - ``max_claim_bytes=16 MiB``: one claim stops adding rows once their stored payloads
+      (after TOAST compression) reach this size; the first row is always taken. Memory
+      per consumer is about ``concurrency`` decoded payloads at once.
     - ``poll_interval=5.0``: fallback poll (jittered ±20%) when no notification arrives;
       it bounds the delay of a missed wake-up and of delayed events' start.
     - ``lease_timeout=30.0``: a row held longer without a heartbeat is recovered by any
@@ -135,6 +95,11 @@ class OutboxConsumer:
       to listen directly on the server.
     - ``statement_timeout=10.0``: client-side limit on every statement we run, so a
       stalled network or lock never hangs the consumer.
+    - ``observers=()``: `aiooutbox.observe.Observer` instances told about claims,
+      handler runs and outcomes (metrics, tracing); none costs nothing.
+
+    A handler registered for the topic ``"*"`` handles every topic without a handler
+    of its own, and makes the consumer claim every topic (as relays do).
     """
 
     def __init__(
@@ -157,6 +122,8 @@ class OutboxConsumer:
         retention: float | timedelta | None = timedelta(days=7),
         statement_timeout: float | timedelta = 10.0,
         decoder: Decoder | None = None,
+        max_claim_bytes: int = DEFAULT_MAX_CLAIM_BYTES,
+        observers: Sequence[Observer] = (),
     ) -> None:
         if not isinstance(pool, asyncpg.Pool):
             raise TypeError(
@@ -164,50 +131,29 @@ class OutboxConsumer:
                 f"not {type(pool).__name__}"
             )
         self._pool = pool
-        self._q = queries(schema, table)
-        self._concurrency = _count("concurrency", concurrency, 1, 100_000)
-        self._batch_size = (
-            self._concurrency
-            if batch_size is None
-            else _count("batch_size", batch_size, 1, self._concurrency)
+        self.options = ConsumerOptions.build(
+            concurrency=concurrency,
+            batch_size=batch_size,
+            topics=topics,
+            poll_interval=poll_interval,
+            lease_timeout=lease_timeout,
+            shutdown_grace=shutdown_grace,
+            retry=retry,
+            handler_timeout=handler_timeout,
+            worker_id=worker_id,
+            schema=schema,
+            table=table,
+            listen=listen,
+            listen_dsn=listen_dsn,
+            retention=retention,
+            statement_timeout=statement_timeout,
+            decoder=decoder,
+            max_claim_bytes=max_claim_bytes,
         )
-        if topics is not None and (isinstance(topics, str) or not isinstance(topics, Collection)):
-            raise TypeError("topics must be a collection of topic names, not a single string")
-        if topics is not None:
-            for topic in topics:
-                if not isinstance(topic, str):
-                    raise TypeError(f"topics must hold topic names (str), not {topic!r}")
-            if not topics:
-                raise InvalidArgument("topics is empty: pass None to consume every handled topic")
-        self._topic_filter = None if topics is None else frozenset(topics)
-        self._poll_interval = _seconds("poll_interval", poll_interval, minimum=0.01)
-        self._lease_timeout = _seconds("lease_timeout", lease_timeout, minimum=1.0)
-        self._shutdown_grace = _seconds("shutdown_grace", shutdown_grace)
-        if retry is not None and not isinstance(retry, RetryPolicy):
-            raise TypeError(f"retry must be an aiooutbox.RetryPolicy, not {retry!r}")
-        self._retry = retry or RetryPolicy()
-        self._handler_timeout = _optional_seconds("handler_timeout", handler_timeout, minimum=0.001)
-        if worker_id is not None and not isinstance(worker_id, str):
-            raise TypeError(f"worker_id must be a str, not {type(worker_id).__name__}")
-        if worker_id is not None and (
-            not worker_id.strip() or len(worker_id) > 200 or "\x00" in worker_id
-        ):
-            raise InvalidArgument("worker_id must be a non-empty string of 1-200 characters")
-        self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        if not isinstance(listen, bool):
-            raise TypeError(f"listen must be True or False, not {listen!r}")
-        self._listen = listen
-        if listen_dsn is not None and not isinstance(listen_dsn, str):
-            raise TypeError(f"listen_dsn must be a str or None, not {type(listen_dsn).__name__}")
-        if listen_dsn is not None and not listen_dsn.strip():
-            raise InvalidArgument("listen_dsn is empty: pass None to listen through the pool")
-        self._listen_dsn = listen_dsn
-        self._retention = _optional_seconds("retention", retention, minimum=1.0)
-        self._timeout = _seconds("statement_timeout", statement_timeout, minimum=0.1)
-        if decoder is not None and not callable(decoder):
-            raise TypeError(f"decoder must be a callable taking the JSON text, not {decoder!r}")
-        self._decode = decoder or decode_json
-
+        if isinstance(observers, Observer) or not isinstance(observers, Sequence):
+            raise TypeError("observers must be a list of aiooutbox.observe.Observer")
+        self._observers = Observers(observers)
+        self.worker_id = self.options.worker_id
         self.stats = ConsumerStats()
         self._state = "new"
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -215,36 +161,43 @@ class OutboxConsumer:
         self._stopping = False
         self._hurry = False
         self._fatal: BaseException | None = None
-        self._handlers: dict[str, Handler] = {}
-        self._topics: list[str] = []
-        self._held: dict[int, tuple[int, float]] = {}  # id -> (attempts, lease extended at)
-        self._watermark: tuple[datetime, int] | None = None  # see _claim
-        self._full_claim_every = _FULL_CLAIM_EVERY[1]
-        self._full_claim_at = 0.0
-        self._wake = asyncio.Event()
-        self._slot_freed = asyncio.Event()
-        self._stop_event = asyncio.Event()
+        self._failure: BaseException | None = None
+        self._leases = Leases()
+        self._signals = Signals()
         self._settled_all = asyncio.Event()
         self._started = asyncio.Event()
         self._workers_scope: anyio.CancelScope | None = None
         self._startup_scope: anyio.CancelScope | None = None
-        self._settler: Settler | None = None
         self._listener: Listener | None = None
+        self._settler: Settler | None = None
+        self._handlers: dict[str, Handler] = {}
+
+    @classmethod
+    def from_options(cls, pool: asyncpg.Pool, options: ConsumerOptions) -> OutboxConsumer:
+        """A consumer with settings validated earlier (the CLI and the integrations)."""
+        consumer = cls(pool, worker_id=options.worker_id, schema=options.schema)
+        consumer.options = options
+        return consumer
 
     # -- lifecycle -----------------------------------------------------------------
     async def __aenter__(self) -> OutboxConsumer:
         if self._state != "new":
             raise RuntimeError(f"cannot enter an OutboxConsumer that is {self._state}")
-        await self._check_schema()
+        self._state = "entering"
+        try:
+            await self._check_schema()
+        except BaseException:
+            self._state = "new"
+            raise
         self._state = "entered"
         return self
 
     async def _check_schema(self) -> None:
         # bounded: on a stalled network the pool's query has no timeout and never returns
-        limit = 3 * self._timeout
+        limit = 3 * self.options.statement_timeout
         try:
             with anyio.fail_after(limit):
-                await check_schema(self._pool, schema=self._q.schema, table=self._q.table)
+                await check_schema(self._pool, schema=self.options.schema, table=self.options.table)
         except TimeoutError:
             raise TimeoutError(
                 f"the outbox schema check got no answer within {limit:.1f}s "
@@ -252,7 +205,7 @@ class OutboxConsumer:
             ) from None
 
     async def __aexit__(self, *exc_info: object) -> None:
-        if self._state == "running":
+        if self._state in ("starting", "running"):
             self.stop()
             with anyio.CancelScope(shield=True):
                 await self._settled_all.wait()
@@ -270,10 +223,18 @@ class OutboxConsumer:
     async def wait_started(self) -> None:
         """Wait until `run()` is consuming: schema checked, LISTEN connection up.
 
-        If `run()` fails before that, this keeps waiting and the task running `run()` is
-        the one that raises: wait on both, as `aiooutbox.integrations.background` does.
+        Raises `RuntimeError` (from the cause) if `run()` ended before that. Prefer
+        ``await task_group.start(consumer.run, handlers)``, which does both at once.
         """
-        await self._started.wait()
+        finished = asyncio.ensure_future(self._settled_all.wait())
+        started = asyncio.ensure_future(self._started.wait())
+        try:
+            await asyncio.wait({finished, started}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            finished.cancel()
+            started.cancel()
+        if not self._started.is_set():
+            raise RuntimeError("the consumer's run() ended before it started") from self._failure
 
     def stop(self) -> None:
         """Ask `run()` to return: stop claiming, let handlers finish, settle, close.
@@ -302,57 +263,91 @@ class OutboxConsumer:
         if self._stop_requests > 1 and not self._hurry:
             logger.warning("second stop request: cancelling running handlers now")
             self._hurry = True
-        self._stop_event.set()
-        self._wake.set()
-        self._slot_freed.set()
+        self._signals.stop.set()
+        self._signals.set_wake()
+        self._signals.set_slot_freed()
         if self._startup_scope is not None:
             self._startup_scope.cancel()
         if self._hurry and self._workers_scope is not None:
             self._workers_scope.cancel()
 
-    async def run(self, handlers: Mapping[str, Any]) -> None:
+    def _resolve(self, handlers: Handlers) -> tuple[dict[str, Handler], list[str] | None]:
+        resolved = resolve_handlers(handlers)
+        wanted = self.options.topics
+        if ALL_TOPICS in resolved:
+            return resolved, None if wanted is None else sorted(wanted)
+        if wanted is not None:
+            unknown = sorted(wanted - resolved.keys())
+            if unknown:
+                raise InvalidArgument(f"topics {unknown} have no handler")
+            resolved = {t: h for t, h in resolved.items() if t in wanted}
+        return resolved, sorted(resolved)
+
+    async def run(
+        self, handlers: Handlers, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
         """Consume until `stop()`; return once in-flight events are settled.
 
         ``handlers`` maps topics to ``async def handler(event)`` (or `Handler`/`Router`).
-        Only topics with a handler are claimed. Raises on a fatal error (the listener
-        cannot connect at start, the pool was closed, a handler raised ``SystemExit``).
-        Cancelling the task running ``run()`` stops gracefully; cancelling it again
-        stops fast.
+        Only topics with a handler are claimed (every topic with a ``"*"`` handler).
+        ``await task_group.start(consumer.run, handlers)`` returns once the consumer
+        is consuming, and raises if it could not start. Raises on a fatal error (the
+        listener cannot connect at start, the pool was closed, the database refuses
+        in a way retrying cannot fix, a handler raised ``SystemExit``). Cancelling the
+        task running ``run()`` stops gracefully; cancelling it again stops fast.
         """
-        resolved = resolve_handlers(handlers)
-        if self._topic_filter is not None:
-            unknown = sorted(self._topic_filter - resolved.keys())
-            if unknown:
-                raise InvalidArgument(f"topics {unknown} have no handler")
-            resolved = {t: h for t, h in resolved.items() if t in self._topic_filter}
-        if self._state == "running":
+        if self._state in ("starting", "running"):
             raise RuntimeError("this OutboxConsumer is already running")
         if self._state == "closed":
             raise RuntimeError("cannot run an OutboxConsumer again once it has stopped")
-        if self._state == "new":
-            await self._check_schema()
-        self._handlers = resolved
-        self._topics = sorted(resolved)
+        before, self._state = self._state, "starting"  # set before any await: one run()
+        try:
+            resolved, topics = self._resolve(handlers)
+            if before == "new":
+                await self._check_schema()
+        except BaseException:
+            self._state = before
+            raise
         self._loop = asyncio.get_running_loop()
         self._state = "running"
         if self._stopping:  # stop() before run(): nothing to do
             self._request_stop()
-        engine = asyncio.ensure_future(self._engine())
-        cancelled = False
+        try:
+            await self._supervise(resolved, topics, task_status)
+        except BaseException as exc:
+            self._failure = exc
+            raise
+        finally:
+            self._state = "closed"
+            self._settled_all.set()
+
+    async def _supervise(
+        self,
+        handlers: dict[str, Handler],
+        topics: list[str] | None,
+        task_status: TaskStatus[None],
+    ) -> None:
+        """Run the engine in its own task, so a cancelled run() stops it gracefully."""
+        engine = asyncio.ensure_future(self._engine(handlers, topics))
+        started = asyncio.ensure_future(self._started.wait())
+        cancelled = reported = False
         try:
             while not engine.done():
                 try:
                     with anyio.CancelScope(shield=cancelled):
                         # wait() never cancels the engine: a cancelled run() stops it gracefully
-                        await asyncio.wait({engine})
+                        waiting = {engine} if reported else {engine, started}
+                        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                    if not reported and self._started.is_set():
+                        reported = True
+                        task_status.started()  # from run()'s own task, as anyio requires
                 except asyncio.CancelledError:
                     if engine.done() and engine.cancelled():
                         raise
                     cancelled = True
                     self.stop()
         finally:
-            self._state = "closed"
-            self._settled_all.set()
+            started.cancel()
         if cancelled:
             raise asyncio.CancelledError
         try:
@@ -363,32 +358,35 @@ class OutboxConsumer:
             raise self._fatal
 
     # -- the engine ------------------------------------------------------------------
-    async def _engine(self) -> None:
+    async def _engine(self, handlers: dict[str, Handler], topics: list[str] | None) -> None:
+        o = self.options
+        self._handlers = handlers
         settler = self._settler = Settler(
             self._pool,
-            self._q,
-            self.worker_id,
+            o.queries,
+            o.worker_id,
             flush_interval=0.005,
-            flush_size=max(64, self._concurrency),
-            statement_timeout=self._timeout,
+            flush_size=max(64, o.concurrency),
+            statement_timeout=o.statement_timeout,
         )
         logger.info(
             "consumer %s starting: topics=%s concurrency=%d",
-            self.worker_id,
-            self._topics,
-            self._concurrency,
-            extra={"worker_id": self.worker_id, "topics": self._topics},
+            o.worker_id,
+            "all" if topics is None else topics,
+            o.concurrency,
+            extra={"worker_id": o.worker_id, "topics": topics},
         )
+        signals = self._signals
         async with anyio.create_task_group() as services:
-            if self._listen:
+            if o.listen:
                 self._listener = Listener(
                     self._pool,
-                    self._q.channel,
-                    self._topics,
-                    self._wake.set,
-                    dsn=self._listen_dsn,
-                    keepalive=max(self._poll_interval, 5.0),
-                    timeout=self._timeout,
+                    o.queries.channel,
+                    topics,
+                    signals.set_wake,
+                    dsn=o.listen_dsn,
+                    keepalive=max(o.poll_interval, 5.0),
+                    timeout=o.statement_timeout,
                 )
                 # a stop() during the first connect must not wait for its timeout
                 with anyio.CancelScope() as self._startup_scope:
@@ -400,350 +398,137 @@ class OutboxConsumer:
             services.start_soon(settler.run)
             maintenance = Maintenance(
                 self._pool,
-                self._q,
-                self.worker_id,
-                held=self._held,
+                o.queries,
+                o.worker_id,
+                leases=self._leases,
                 on_recovered=self._recovered,
-                lease_timeout=self._lease_timeout,
-                retention=self._retention,
-                statement_timeout=self._timeout,
+                lease_timeout=o.lease_timeout,
+                retention=o.retention,
+                statement_timeout=o.statement_timeout,
             )
             services.start_soon(maintenance.heartbeat_loop)
             services.start_soon(maintenance.recovery_loop)
-            handoff: Handoff[Event] = Handoff()
+            executor = Executor(
+                handlers=self._handlers,
+                settler=settler,
+                leases=self._leases,
+                stats=self.stats,
+                retry=o.retry,
+                handler_timeout=o.handler_timeout,
+                decoder=o.decoder,
+                is_stopping=lambda: self._stopping,
+                is_hurried=lambda: (
+                    self._workers_scope is not None and self._workers_scope.cancel_called
+                ),
+                on_finished=signals.set_slot_freed,
+                on_fatal=self._on_fatal,
+                observers=self._observers,
+            )
+            dispatcher = Dispatcher(
+                self._pool,
+                o,
+                topics=topics,
+                stats=self.stats,
+                leases=self._leases,
+                settler=settler,
+                signals=signals,
+                listener=self._listener,
+                is_stopping=lambda: self._stopping,
+                observers=self._observers,
+            )
+            handoff: Handoff[ClaimedRow] = Handoff()
             try:
                 async with anyio.create_task_group() as workers:
                     self._workers_scope = workers.cancel_scope
                     if self._hurry:
                         workers.cancel_scope.cancel()
-                    for _ in range(self._concurrency):
-                        workers.start_soon(self._worker, handoff)
+                    for _ in range(o.concurrency):
+                        workers.start_soon(_worker, handoff, executor)
                     try:
-                        await self._dispatch(handoff)
+                        await dispatcher.run(handoff)
                     finally:
                         handoff.close()
                     await self._drain()
                     workers.cancel_scope.cancel()
             finally:
                 handoff.close()
-                await settler.close(timeout=max(self._timeout, 5.0))
+                # rows handed out that no worker took (a fast stop): release them too
+                while (row := handoff.take_nowait()) is not None:
+                    executor.release(row)
+                    self._leases.finish(row.id, row.attempts)
+                    self.stats.in_flight -= 1
+                await settler.close(timeout=max(o.statement_timeout, 5.0))
                 with anyio.CancelScope(shield=True):
-                    await self._forget_idle()
+                    await self._release_leftovers(settler)
+                    if o.listen:
+                        await _quietly(declare(self._pool, o, topics, busy=True))
                 services.cancel_scope.cancel()
         logger.info(
-            "consumer %s stopped: %s",
-            self.worker_id,
-            self.stats,
-            extra={"worker_id": self.worker_id},
+            "consumer %s stopped: %s", o.worker_id, self.stats, extra={"worker_id": o.worker_id}
         )
+
+    async def _release_leftovers(self, settler: Settler) -> None:
+        """No row claimed under our id may stay ``processing`` once run() returns.
+
+        Catches claims whose reply was lost and rows whose outcome could not be
+        recorded; fenced by ``locked_by``, so rows another consumer re-claimed are
+        never touched. Skipped when the final flush gave up (the database is gone).
+        """
+        if settler.abandoned:
+            return
+        o = self.options
+        try:
+            released = await bounded(
+                self._pool,
+                "fetch",
+                o.queries.release_orphans,
+                o.worker_id,
+                [],
+                timeout=o.statement_timeout,
+            )
+        except TRANSIENT_ERRORS as exc:
+            logger.warning("could not release leftover claims (%s: %s)", type(exc).__name__, exc)
+            return
+        if released:
+            logger.warning(
+                "released %d event(s) still claimed under this consumer's id at shutdown",
+                len(released),
+                extra={"event_ids": [r[0] for r in released][:1000]},
+            )
 
     async def _drain(self) -> None:
         """Give running handlers up to ``shutdown_grace`` to finish."""
+        grace = self.options.shutdown_grace
         if self.stats.in_flight == 0 or self._hurry:
             return
-        logger.info(
-            "waiting up to %.1fs for %d running handler(s)",
-            self._shutdown_grace,
-            self.stats.in_flight,
-        )
-        with anyio.move_on_after(self._shutdown_grace):
+        logger.info("waiting up to %.1fs for %d running handler(s)", grace, self.stats.in_flight)
+        with anyio.move_on_after(grace):
             while self.stats.in_flight > 0 and not self._hurry:
-                self._slot_freed.clear()
-                await self._slot_freed.wait()
+                self._signals.clear_slot_freed()
+                await self._signals.slot_freed.wait()
         if self.stats.in_flight:
             logger.warning(
                 "cancelling %d handler(s) still running; their events are released",
                 self.stats.in_flight,
             )
 
-    async def _dispatch(self, handoff: Handoff[Event]) -> None:
-        backoff = 0.05
-        linger = 0
-        idle = False
-        advertised_on = -1  # the listener connection (reconnect count) idle was declared on
-        full = False
-        settler = self._settler
-        assert settler is not None
-        refill = max(1, self._batch_size // 4)
-        while not self._stopping:
-            free = self._concurrency - self.stats.in_flight
-            want = min(free, self._batch_size)
-            if settler.backlog > 4 * self._concurrency:
-                await self._wait_for(settler.wait_flushed(), self._poll_interval)
-                continue
-            if want <= 0 or (full and want < refill):
-                # a backlog is waiting: claim again as soon as enough slots free
-                self._slot_freed.clear()
-                await self._slot_freed.wait()
-                continue
-            self._wake.clear()
-            try:
-                rows = await self._claim(want)
-            except TRANSIENT_ERRORS as exc:
-                if pool_is_closed(self._pool):
-                    raise OutboxError(
-                        "the asyncpg pool was closed under a running consumer"
-                    ) from exc
-                logger.warning(
-                    "claim failed (%s: %s); retrying in %.2fs", type(exc).__name__, exc, backoff
-                )
-                await self._wait_for(self._stop_event.wait(), backoff * (0.5 + random.random()))
-                backoff = min(backoff * 2, 5.0)
-                continue
-            backoff = 0.05
-            if rows:
-                # start the handlers first: the advert only gates NOTIFY, and a stale
-                # one for a round trip costs at most one extra notification
-                self._hand_out(rows, handoff)
-                if idle:
-                    idle = False
-                    await self._declare(busy=True)
-            full = len(rows) == want
-            if full:
-                linger = 0
-                continue
-            if rows:
-                linger = 0
-            if linger < len(_LINGER):
-                await self._wait_for(self._wake.wait(), _LINGER[linger])
-                linger += 1
-                continue
-            listener = self._listener
-            if idle and listener is not None and listener.reconnects != advertised_on:
-                # the listener reconnected: after a server crash the unlogged idle table
-                # is empty, so producers would notify nobody until we advertise again
-                idle = False
-            # leaving the fast path: the next claim starts from the oldest entry, so a row
-            # the watermark hid is never left waiting for a poll
-            self._full_claim_at = -math.inf
-            if self._listen and not idle and self.listening:
-                # advertise, then look once more: an insert that committed before the
-                # advertisement saw no idle consumer and sent no notification
-                idle = await self._declare(busy=False)
-                if idle:
-                    advertised_on = listener.reconnects if listener is not None else -1
-                    continue
-            await self._wait_for(self._wake.wait(), await self._idle_timeout())
-            if idle and not self._wake.is_set():
-                idle = await self._declare(busy=False)  # refresh before it expires
-
-    async def _claim(self, want: int) -> list[Any]:
-        """Claim up to ``want`` rows, usually starting after the last claim's watermark.
-
-        Every row that leaves 'pending' leaves a dead entry at the head of the claimable
-        index until VACUUM, so a claim that always starts from the oldest entry walks
-        more of them with every event handled. Most claims therefore start just before
-        the ``available_at`` of the oldest row the previous claim returned; a full
-        claim catches rows the watermark hides (a producer transaction that committed
-        late with an older ``now()``, rows another consumer skipped or released), so
-        their extra delay is bounded by the full claims' interval: at most 250 ms, and
-        as little as 20 ms while full claims are cheap (few dead entries to walk).
-        """
-        now = time.monotonic()
-        args: tuple[Any, ...] = (self.worker_id, self._lease_timeout, self._topics, want)
-        full = self._watermark is None or now - self._full_claim_at >= self._full_claim_every
-        if full:
-            sql = self._q.claim
-            self._full_claim_at = now
-        else:
-            sql = self._q.claim_after
-            args += self._watermark  # type: ignore[operator]
-        async with self._pool.acquire(timeout=self._timeout) as conn:
-            rows: list[Any] = await conn.fetch(sql, *args, timeout=self._timeout)
-        self.stats.claims += 1
-        if full:
-            low, high = _FULL_CLAIM_EVERY
-            cost = time.monotonic() - now
-            self._full_claim_every = min(high, max(low, cost / _FULL_CLAIM_SHARE))
-        if rows:
-            # trail the oldest row by a few milliseconds: concurrent producers commit
-            # out of their now() order all the time, and a row that sorts just behind
-            # the watermark would otherwise wait for the next full claim (measured at
-            # 4k events/s from 4 producers: worst latency ~270 ms without, ~55 ms with;
-            # a longer lag re-reads recently claimed rows and slows every claim)
-            oldest = (min(r[8] for r in rows) - _WATERMARK_LAG, 0)
-            if full or self._watermark is None or oldest > self._watermark:
-                self._watermark = oldest
-        return rows
-
-    async def _sql(self, method: str, query: str, *args: Any) -> Any:
-        return await bounded(self._pool, method, query, *args, timeout=self._timeout)
-
-    def _hand_out(self, rows: list[Any], handoff: Handoff[Event]) -> None:
-        now = time.monotonic()
-        self.stats.claimed += len(rows)
-        for row in rows:
-            event_id, topic, payload, dedupe_key, headers, attempts, max_attempts, created, _ = row
-            self.stats.in_flight += 1
-            self._held[event_id] = (attempts, now)
-            try:
-                decoded = self._decode(payload)
-                header_map = decode_json(headers) if headers != "{}" else {}
-            except Exception as exc:
-                self._record_failure(event_id, topic, attempts, max_attempts, exc)
-                self._finished(event_id, attempts)
-                continue
-            handoff.put(
-                Event(
-                    event_id,
-                    topic,
-                    decoded,
-                    dedupe_key,
-                    header_map,
-                    attempts,
-                    max_attempts,
-                    created,
-                )
-            )
-
-    async def _idle_timeout(self) -> float:
-        """Jittered poll interval, shortened to when the next delayed event becomes due."""
-        timeout = self._poll_interval * random.uniform(0.8, 1.2)
-        try:
-            due: float | None = await self._sql("fetchval", self._q.next_available, self._topics)
-        except TRANSIENT_ERRORS:
-            return timeout
-        if due is not None:
-            timeout = min(timeout, max(due, 0.0) + 0.001)
-        return timeout
-
-    async def _declare(self, *, busy: bool) -> bool:
-        """Advertise this consumer as idle (or withdraw it); return whether it is idle."""
-        try:
-            if busy:
-                await self._sql("execute", self._q.declare_busy, self.worker_id)
-                return False
-            await self._sql(
-                "execute",
-                self._q.declare_idle,
-                self.worker_id,
-                self._topics,
-                self._poll_interval * 2 + 5.0,
-            )
-            return True
-        except TRANSIENT_ERRORS as exc:
-            logger.debug("idle advertisement failed: %s", exc)
-            return busy
-
-    async def _forget_idle(self) -> None:
-        if self._listen:
-            await self._declare(busy=True)
-
-    @staticmethod
-    async def _wait_for(awaitable: Awaitable[Any], timeout: float) -> None:
-        with anyio.move_on_after(timeout):
-            await awaitable
-
-    # -- running handlers ------------------------------------------------------------
-    async def _worker(self, handoff: Handoff[Event]) -> None:
-        while (event := await handoff.get()) is not None:
-            await self._execute(event)
-
-    async def _execute(self, event: Event) -> None:
-        extra = {"event_id": event.id, "topic": event.topic, "attempt": event.attempts}
-        try:
-            if self._stopping:
-                self._release(event)
-                return
-            handler = self._handlers[event.topic]
-            timeout = handler.timeout if handler.timeout is not None else self._handler_timeout
-            try:
-                if timeout is None:
-                    await handler.func(event)
-                else:
-                    with anyio.fail_after(timeout):
-                        await handler.func(event)
-            except Retry as exc:
-                self._fail(event, exc, delay=exc.delay)
-            except Dead as exc:
-                self._fail(event, exc, dead=True)
-            except anyio.get_cancelled_exc_class() as exc:
-                if self._workers_scope is not None and self._workers_scope.cancel_called:
-                    self._release(event)
-                    raise
-                # the handler raised CancelledError on its own: a failure like any other
-                self._fail(event, exc, handler=handler)
-            except Exception as exc:
-                self._fail(event, exc, handler=handler)
-            except BaseException as exc:
-                # SystemExit, KeyboardInterrupt and friends: settle this event, then stop
-                # the consumer gracefully and re-raise from run()
-                self._fail(event, exc, handler=handler)
-                logger.error("handler raised %r; stopping the consumer", exc, extra=extra)
-                if self._fatal is None:
-                    self._fatal = exc
-                self.stop()
-            else:
-                assert self._settler is not None
-                self._settler.done(event.id, event.attempts)
-                self.stats.done += 1
-        finally:
-            self._finished(event.id, event.attempts)
-
-    def _finished(self, event_id: int, attempts: int) -> None:
-        held = self._held.get(event_id)
-        # if this consumer re-claimed the row after losing its lease, keep the newer claim
-        if held is not None and held[0] == attempts:
-            del self._held[event_id]
-        self.stats.in_flight -= 1
-        self._slot_freed.set()
-
-    def _release(self, event: Event) -> None:
-        assert self._settler is not None
-        self.stats.released += 1
-        self._settler.failed(
-            Failure(
-                event.id,
-                event.attempts,
-                0.0,
-                "released: the consumer stopped before the handler finished",
-                force_dead=False,
-                released=True,
-            )
-        )
-
-    def _fail(self, event: Event, exc: BaseException, **options: Any) -> None:
-        self._record_failure(
-            event.id, event.topic, event.attempts, event.max_attempts, exc, **options
-        )
-
-    def _record_failure(
-        self,
-        event_id: int,
-        topic: str,
-        attempts: int,
-        max_attempts: int,
-        exc: BaseException,
-        *,
-        dead: bool = False,
-        delay: float | None = None,
-        handler: Handler | None = None,
-    ) -> None:
-        assert self._settler is not None
-        if delay is None:
-            policy = (handler.retry if handler is not None else None) or self._retry
-            delay = policy.delay(attempts)
-        if dead or attempts >= max_attempts:
-            self.stats.dead += 1
-        else:
-            self.stats.retried += 1
-        extra = {"event_id": event_id, "topic": topic, "attempt": attempts}
-        if isinstance(exc, (Retry, Dead)):
-            error = f"{type(exc).__name__}: {exc.reason}"
-            logger.info("event %d: %s", event_id, error, extra=extra)
-        else:
-            error = _describe(exc)
-            logger.warning(
-                "event %d (%s) attempt %d failed: %s: %s",
-                event_id,
-                topic,
-                attempts,
-                type(exc).__name__,
-                exc,
-                extra=extra,
-            )
-        self._settler.failed(Failure(event_id, attempts, delay, error, dead))
+    def _on_fatal(self, exc: BaseException) -> None:
+        if self._fatal is None:
+            self._fatal = exc
+        self.stop()
 
     def _recovered(self, count: int) -> None:
         self.stats.recovered += count
-        self._wake.set()
+        self._signals.set_wake()
+
+
+async def _worker(handoff: Handoff[ClaimedRow], executor: Executor) -> None:
+    while (row := await handoff.get()) is not None:
+        await executor.execute(row)
+
+
+async def _quietly(awaitable: object) -> None:
+    try:
+        await awaitable  # type: ignore[misc]
+    except TRANSIENT_ERRORS as exc:
+        logger.debug("ignored at shutdown: %s", exc)

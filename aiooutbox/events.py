@@ -39,6 +39,9 @@ class Event:
     attempts: int = 1
     max_attempts: int = 5
     created_at: datetime | None = None
+    #: a UUID unique across databases, tables and re-creations, the same on every retry:
+    #: what brokers and downstream consumers should dedupe on (``id`` is per table)
+    message_id: str | None = None
 
     @property
     def is_last_attempt(self) -> bool:

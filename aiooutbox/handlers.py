@@ -7,12 +7,16 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ._limits import check_topic_name
 from .errors import InvalidArgument
 from .events import Event
-from .producer import MAX_TOPIC_LENGTH
 from .retry import RetryPolicy
 
-__all__ = ["Handler", "HandlerFunc", "Router", "resolve_handlers"]
+__all__ = ["ALL_TOPICS", "Handler", "HandlerFunc", "Router", "resolve_handlers"]
+
+#: register a handler under this topic to handle every topic that has no handler of
+#: its own; the consumer then claims every topic in the outbox (what relays do)
+ALL_TOPICS = "*"
 
 HandlerFunc = Callable[[Event], Awaitable[Any]]
 F = TypeVar("F", bound=HandlerFunc)
@@ -83,11 +87,7 @@ def _is_async_callable(func: object) -> bool:
 def _check_topic(topic: object) -> None:
     if not isinstance(topic, str):
         raise TypeError(f"handler topics must be str, got {topic!r}")
-    if not topic.strip() or len(topic) > MAX_TOPIC_LENGTH or "\x00" in topic:
-        shown = topic if len(topic) <= 80 else topic[:77] + "..."
-        raise InvalidArgument(
-            f"handler topic must be 1-{MAX_TOPIC_LENGTH} characters without NUL: {shown!r}"
-        )
+    check_topic_name(topic, "handler topic")
 
 
 def _check_handler(topic: str, handler: Handler) -> Handler:

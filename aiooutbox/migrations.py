@@ -28,9 +28,24 @@ _FILE = re.compile(r"(\d{4})_([a-z0-9_]+)\.sql\Z")
 
 @dataclass(frozen=True)
 class Migration:
+    """One numbered SQL file.
+
+    ``compatible_with`` (from a ``-- compatible-with: N`` header line) is the oldest
+    schema version whose code keeps working once this migration is applied; None means
+    only code that knows this migration may run on it.
+    """
+
     version: int
     name: str
     template: str
+    compatible_with: int | None = None
+
+
+_COMPATIBLE = re.compile(r"^-- compatible-with: (\d+)\s*$", re.MULTILINE)
+# Schema 2 releases read only the versions table and refuse any version they don't
+# know. A migration compatible with them is therefore recorded apart, in the
+# compat-versions table, which newer releases read as well.
+_PRE_FLOOR = 2
 
 
 @lru_cache(maxsize=1)
@@ -40,7 +55,9 @@ def migrations() -> tuple[Migration, ...]:
     for entry in resources.files("aiooutbox").joinpath("schema").iterdir():
         match = _FILE.match(entry.name)
         if match:
-            found.append(Migration(int(match[1]), match[2], entry.read_text(encoding="utf-8")))
+            text = entry.read_text(encoding="utf-8")
+            floor = _COMPATIBLE.search(text)
+            found.append(Migration(int(match[1]), match[2], text, int(floor[1]) if floor else None))
     found.sort(key=lambda m: m.version)
     return tuple(found)
 
@@ -58,17 +75,25 @@ def migration_sql(
     (or a consumer's startup check) sees the schema as current.
     """
     q = queries(schema, table)
-    parts = [f"{q.create_schema};", f"{q.create_versions_table};"]
+    parts = [
+        f"{q.create_schema};",
+        f"{q.create_versions_table};",
+        f"{q.create_compat_versions_table};",
+    ]
     for m in migrations():
         if m.version <= since:
             continue
-        parts += [
-            f"-- migration {m.version:04d}_{m.name}",
-            "BEGIN;",
-            q.render(m.template).strip(),
-            f"INSERT INTO {q.versions_table} (version, name) VALUES ({m.version}, '{m.name}');",
-            "COMMIT;",
-        ]
+        parts += [f"-- migration {m.version:04d}_{m.name}", "BEGIN;", q.render(m.template).strip()]
+        if _in_versions_table(m):
+            parts.append(
+                f"INSERT INTO {q.versions_table} (version, name) VALUES ({m.version}, '{m.name}');"
+            )
+        if m.compatible_with is not None:
+            parts.append(
+                f"INSERT INTO {q.compat_versions_table} (version, name, compatible_with)"
+                f" VALUES ({m.version}, '{m.name}', {m.compatible_with});"
+            )
+        parts.append("COMMIT;")
     return "\n".join(parts) + "\n"
 
 
@@ -100,15 +125,21 @@ async def _migrate(conn: asyncpg.Connection, q: Queries) -> list[int]:
         if not await conn.fetchval(q.schema_exists, q.schema):
             await conn.execute(q.create_schema)
         await conn.execute(q.create_versions_table)
-        applied = {r[0] for r in await conn.fetch(q.applied_versions)}
+        applied = await _applied(conn, q)
         _refuse_newer(applied, q)
+        await conn.execute(q.create_compat_versions_table)
         done: list[int] = []
         for m in migrations():
             if m.version in applied:
                 continue
             async with conn.transaction():
                 await conn.execute(q.render(m.template))
-                await conn.execute(q.record_version, m.version, m.name)
+                if _in_versions_table(m):
+                    await conn.execute(q.record_version, m.version, m.name)
+                if m.compatible_with is not None:
+                    await conn.execute(
+                        q.record_compat_version, m.version, m.name, m.compatible_with
+                    )
             logger.info(
                 "applied migration %04d_%s to %s",
                 m.version,
@@ -123,13 +154,38 @@ async def _migrate(conn: asyncpg.Connection, q: Queries) -> list[int]:
             await conn.execute(q.advisory_unlock, lock_key)
 
 
-def _refuse_newer(applied: set[int], q: Queries) -> None:
+def _in_versions_table(m: Migration) -> bool:
+    # releases of schema 2 refuse every version they find there that they don't know:
+    # a migration they can run beside is recorded only in the compat table
+    return m.compatible_with is None or m.compatible_with > _PRE_FLOOR
+
+
+async def _applied(conn: asyncpg.Connection | asyncpg.Pool, q: Queries) -> dict[int, int | None]:
+    """Applied versions, each with the oldest version it stays compatible with (or None)."""
+    applied: dict[int, int | None] = {r[0]: None for r in await conn.fetch(q.applied_versions)}
+    if await conn.fetchval(q.versions_table_exists, q.compat_versions_table):
+        for version, floor in await conn.fetch(q.compat_versions):
+            applied[version] = floor
+    return applied
+
+
+def _refuse_newer(applied: dict[int, int | None], q: Queries) -> None:
     known = {m.version for m in migrations()}
-    unknown = sorted(applied - known)
-    if unknown:
+    latest = latest_version()
+    unknown = sorted(applied.keys() - known)
+    incompatible = [v for v in unknown if (floor := applied[v]) is None or floor > latest]
+    if incompatible:
         raise SchemaTooNew(
-            f"{q.qualified} has migration {unknown[-1]}, newer than this aiooutbox knows "
-            f"(latest {latest_version()}); upgrade aiooutbox"
+            f"{q.qualified} has migration {incompatible[-1]}, newer than this aiooutbox knows "
+            f"(latest {latest}) and not compatible with it; upgrade aiooutbox"
+        )
+    if unknown:
+        logger.info(
+            "%s has newer migration(s) %s that declare themselves compatible with schema %d",
+            q.qualified,
+            unknown,
+            latest,
+            extra={"outbox": q.qualified, "versions": unknown},
         )
 
 
@@ -147,7 +203,7 @@ async def check_schema(
             f"no aiooutbox schema in {q.qualified}: run `python -m aiooutbox migrate` "
             "or `await aiooutbox.migrate(pool)` first"
         )
-    applied = {r[0] for r in await conn_or_pool.fetch(q.applied_versions)}
+    applied = await _applied(conn_or_pool, q)
     _refuse_newer(applied, q)
     missing = [m.version for m in migrations() if m.version not in applied]
     if missing:

@@ -116,7 +116,7 @@ async def _control(recorder: Recorder, stop: asyncio.Event) -> None:
         recorder.reached.set()
     try:
         await asyncio.wait_for(recorder.reached.wait(), float(command.get("timeout", 60)))
-    except asyncio.TimeoutError:
+    except TimeoutError:
         recorder.extra["timed_out"] = True
     stop.set()
 

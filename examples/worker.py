@@ -13,7 +13,6 @@ to ``dead`` at once, since sending it again would not help. Needs ``aiohttp``.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import os
@@ -49,7 +48,7 @@ async def publish(event: aiooutbox.Event, url: str | None = None) -> None:
         ):
             status = response.status
             retry_after = response.headers.get("Retry-After")
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         raise aiooutbox.Retry(
             BACKOFF.delay(event.attempts), f"webhook unreachable: {type(exc).__name__}: {exc}"
         ) from exc

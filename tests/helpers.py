@@ -39,6 +39,15 @@ async def wait_until(
         await asyncio.sleep(interval)
 
 
+def truthy(check: Callable[[], object]) -> Callable[[], Awaitable[bool]]:
+    """A `wait_until` condition from a plain (synchronous) check."""
+
+    async def condition() -> bool:
+        return bool(check())
+
+    return condition
+
+
 async def status_counts(db: asyncpg.Pool | asyncpg.Connection) -> dict[str, int]:
     rows = await db.fetch("SELECT status::text, count(*) FROM outbox_events GROUP BY 1")
     return {r[0]: r[1] for r in rows}

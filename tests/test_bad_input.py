@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterator
-from datetime import date, datetime, timedelta, timezone
+from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 import asyncpg
@@ -30,7 +30,7 @@ async def conn(shared_dsn: str) -> AsyncIterator[asyncpg.Connection]:
         await c.close()
 
 
-NOW = datetime.now(timezone.utc)
+NOW = datetime.now(UTC)
 
 
 class Unserialisable:

@@ -6,15 +6,16 @@ import asyncio
 import itertools
 import time
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import asyncpg
 import pytest
 
 import aiooutbox
+from aiooutbox._options import DEFAULT_MAX_CLAIM_BYTES as MAX_CLAIM_BYTES
 from aiooutbox._plans import hot_path_plans
 from aiooutbox._sql import queries
-from tests.helpers import all_in, running, status_counts, wait_until
+from tests.helpers import all_in, running, status_counts, truthy, wait_until
 
 FAST_RETRY = aiooutbox.RetryPolicy(base=0.05, factor=2.0, max_delay=0.2)
 
@@ -209,7 +210,7 @@ async def test_abandoned_claim_is_recovered_after_lease_timeout(pool: asyncpg.Po
     event_id = await aiooutbox.enqueue(pool, "jobs", {})
     q = queries()
     # a worker that claims and then "crashes": it never settles nor heartbeats
-    rows = await pool.fetch(q.claim, "crashed-worker", 1.0, ["jobs"], 10)
+    rows = await pool.fetch(q.claim, "crashed-worker", 1.0, ["jobs"], 10, MAX_CLAIM_BYTES)
     assert [r[0] for r in rows] == [event_id]
     handled: list[int] = []
 
@@ -227,7 +228,7 @@ async def test_abandoned_claim_is_recovered_after_lease_timeout(pool: asyncpg.Po
 
 async def test_recovery_of_an_exhausted_row_makes_it_dead(pool: asyncpg.Pool) -> None:
     event_id = await aiooutbox.enqueue(pool, "jobs", {}, max_attempts=1)
-    await pool.fetch(queries().claim, "crashed-worker", 1.0, ["jobs"], 10)
+    await pool.fetch(queries().claim, "crashed-worker", 1.0, ["jobs"], 10, MAX_CLAIM_BYTES)
     await asyncio.sleep(1.1)
     recovered = await pool.fetch(queries().recover_expired, 100)
     assert [(r[0], r[2]) for r in recovered] == [(event_id, "dead")]
@@ -256,10 +257,10 @@ async def test_long_handler_keeps_its_lease_through_heartbeats(pool: asyncpg.Poo
 async def test_stale_settlement_is_fenced_out(pool: asyncpg.Pool) -> None:
     event_id = await aiooutbox.enqueue(pool, "jobs", {})
     q = queries()
-    await pool.fetch(q.claim, "stale", 0.5, ["jobs"], 1)
+    await pool.fetch(q.claim, "stale", 0.5, ["jobs"], 1, MAX_CLAIM_BYTES)
     await asyncio.sleep(0.6)
     assert len(await pool.fetch(q.recover_expired, 100)) == 1
-    await pool.fetch(q.claim, "fresh", 30.0, ["jobs"], 1)
+    await pool.fetch(q.claim, "fresh", 30.0, ["jobs"], 1, MAX_CLAIM_BYTES)
     # the stale worker (attempt 1) tries to settle: nothing changes
     assert await pool.fetchval(q.settle_done, [event_id], "stale", 1) == 0
     assert (
@@ -414,6 +415,7 @@ async def test_release_on_the_last_attempt_does_not_kill_the_event(pool: asyncpg
     consumer = aiooutbox.OutboxConsumer(pool, shutdown_grace=0.1)
     task = asyncio.ensure_future(consumer.run({"hang": handle}))
     await wait_until(all_in(pool, "processing", 1))
+    await wait_until(truthy(lambda: attempts))  # the handler is running, not just claimed
     consumer.stop()
     await asyncio.wait_for(task, 20)
     assert await status_counts(pool) == {"retry": 1}
@@ -619,10 +621,17 @@ async def test_plans_made_on_an_empty_table_survive_a_backlog(empty_dsn: str) ->
         await conn.execute("VACUUM ANALYZE outbox_events")  # statistics: really empty
         q = queries()
         for _ in range(8):  # past the five custom plans: the generic one is cached now
-            assert await conn.fetch(q.claim, "w", 30.0, ["x"], 100) == []
+            assert await conn.fetch(q.claim, "w", 30.0, ["x"], 100, MAX_CLAIM_BYTES) == []
             assert (
                 await conn.fetch(
-                    q.claim_after, "w", 30.0, ["x"], 100, datetime.now(timezone.utc), 0
+                    q.claim_after,
+                    "w",
+                    30.0,
+                    ["x"],
+                    100,
+                    MAX_CLAIM_BYTES,
+                    datetime.now(UTC),
+                    0,
                 )
                 == []
             )

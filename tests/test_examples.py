@@ -9,7 +9,7 @@ import signal
 import sys
 import types
 from collections.abc import AsyncIterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -224,7 +224,7 @@ async def test_worker_retries_when_the_webhook_fails(pool: asyncpg.Pool, webhook
         "SELECT last_error, available_at, attempts FROM outbox_events WHERE id = $1", event_id
     )
     assert row["last_error"] == "Retry: webhook answered HTTP 503"
-    assert row["available_at"] > datetime.now(timezone.utc) + timedelta(minutes=59)
+    assert row["available_at"] > datetime.now(UTC) + timedelta(minutes=59)
     assert row["attempts"] == 1
 
 

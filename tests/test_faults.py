@@ -160,7 +160,7 @@ async def _ready(consumer: aiooutbox.OutboxConsumer, task: asyncio.Future[None])
     if task.done():
         task.result()
         raise AssertionError("consumer.run() returned at once")
-    return consumer.running and (consumer.listening or not consumer._listen)
+    return consumer.running and (consumer.listening or not consumer.options.listen)
 
 
 # -- a consumer process SIGKILLed mid-batch -------------------------------------------------

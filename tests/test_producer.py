@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import asyncpg
@@ -259,7 +259,7 @@ async def test_delay_sets_available_at(
 async def test_available_at_is_stored_exactly(txn_conn: asyncpg.Connection) -> None:
     tz = timezone(timedelta(hours=5, minutes=30))
     when = datetime(2031, 2, 3, 4, 5, 6, 789000, tzinfo=tz)
-    past = datetime(2001, 1, 1, tzinfo=timezone.utc)
+    past = datetime(2001, 1, 1, tzinfo=UTC)
     event_id = await aiooutbox.enqueue(txn_conn, "t", {}, available_at=when)
     ids = await aiooutbox.enqueue_many(
         txn_conn, [NewEvent("t", {}, available_at=past), NewEvent("t", {}, available_at=when)]

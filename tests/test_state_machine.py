@@ -41,6 +41,7 @@ from hypothesis.stateful import (
 )
 
 import aiooutbox
+from aiooutbox._options import DEFAULT_MAX_CLAIM_BYTES as MAX_CLAIM_BYTES
 from aiooutbox._sql import queries
 from tests.conftest import TEMPLATE, _drop, _new_database, with_database
 
@@ -186,7 +187,7 @@ def make_machine(world: World) -> type[RuleBasedStateMachine]:
         @rule(worker=st.sampled_from(WORKERS), limit=st.integers(1, 3))
         def claim(self, worker: str, limit: int) -> None:
             before = world.snapshot()
-            got = world.run(world.conn.fetch(Q.claim, worker, LEASE, ["t"], limit))
+            got = world.run(world.conn.fetch(Q.claim, worker, LEASE, ["t"], limit, MAX_CLAIM_BYTES))
             now = self._now()
             assert len(got) <= limit
             # oldest available first: exactly the head of the claimable queue (nothing
@@ -203,7 +204,7 @@ def make_machine(world: World) -> type[RuleBasedStateMachine]:
                 return list(
                     await asyncio.gather(
                         *(
-                            world.conns[i].fetch(Q.claim, w, LEASE, ["t"], 2)
+                            world.conns[i].fetch(Q.claim, w, LEASE, ["t"], 2, MAX_CLAIM_BYTES)
                             for i, w in enumerate(workers)
                         )
                     )
@@ -417,7 +418,9 @@ def make_machine(world: World) -> type[RuleBasedStateMachine]:
                         "UPDATE outbox_events SET available_at = now() WHERE status = 'retry'"
                     )
                 )
-                got = world.run(world.conn.fetch(Q.claim, "finisher", LEASE, ["t"], 1000))
+                got = world.run(
+                    world.conn.fetch(Q.claim, "finisher", LEASE, ["t"], 1000, MAX_CLAIM_BYTES)
+                )
                 for attempts in {r["attempts"] for r in got}:
                     ids = [r["id"] for r in got if r["attempts"] == attempts]
                     world.run(world.conn.fetchval(Q.settle_done, ids, "finisher", attempts))

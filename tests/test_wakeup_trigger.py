@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import asyncpg
 import pytest
@@ -284,7 +284,7 @@ async def test_delayed_events_wake_idle_consumers_once_per_topic(
     # by design (the consumer then sleeps until the event is due instead of polling),
     # a delayed insert notifies like an immediate one: once per advertised topic
     await advertise_idle(conn, ["a", "b"])
-    later = datetime.now(timezone.utc) + timedelta(hours=1)
+    later = datetime.now(UTC) + timedelta(hours=1)
     await aiooutbox.enqueue(conn, "a", 1, delay=3600)
     await aiooutbox.enqueue_many(
         conn,

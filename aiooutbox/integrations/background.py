@@ -101,20 +101,24 @@ async def run_consumer(
 
 
 async def _until_started(consumer: OutboxConsumer, task: asyncio.Task[None]) -> None:
-    """Return once the consumer is ready; raise what ended its task if that came first."""
-    started = asyncio.ensure_future(consumer.wait_started())
+    """Return once the consumer is ready; raise what ended its task if that came first.
+
+    The consumer runs in a task of its own rather than under ``task_group.start``: a
+    consumer that fails while the application serves is logged, and must not cancel
+    the application's task.
+    """
     try:
-        await asyncio.wait({started, task}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        started.cancel()
-    if not task.done():
-        return
-    if task.cancelled():
-        raise RuntimeError("the outbox consumer task was cancelled during startup")
-    error = task.exception()
-    if error is not None:
-        raise error
-    raise RuntimeError("the outbox consumer stopped during startup (consumer.stop() was called)")
+        await consumer.wait_started()
+    except RuntimeError:
+        await asyncio.wait({task})
+        if task.cancelled():
+            raise RuntimeError("the outbox consumer task was cancelled during startup") from None
+        error = task.exception()
+        if error is not None:
+            raise error from None
+        raise RuntimeError(
+            "the outbox consumer stopped during startup (consumer.stop() was called)"
+        ) from None
 
 
 async def _stop(consumer: OutboxConsumer, task: asyncio.Task[None]) -> None:

@@ -1,0 +1,366 @@
+"""The claim loop: claim rows sized to the free handler slots, hand them to workers.
+
+`ClaimWindow` is the pure part (no I/O, unit-tested): where the next claim starts
+(the watermark), when a full claim from the oldest entry is due, and how many rows to
+ask for after a claim timed out. `Dispatcher` is the loop around it: linger after an
+empty claim, advertise idleness, wait for a notification or the fallback poll.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timedelta
+from typing import Any
+
+import anyio
+import asyncpg
+
+from ._db import TRANSIENT_ERRORS, bounded, check_permanent, pool_is_closed
+from ._executor import ConsumerStats
+from ._handoff import Handoff
+from ._leases import Leases
+from ._listener import Listener
+from ._options import ConsumerOptions
+from ._rows import ClaimedRow, is_finite
+from ._settler import Settler
+from .errors import OutboxError
+from .observe import Observers
+
+__all__ = ["ClaimWindow", "Dispatcher", "Signals"]
+
+logger = logging.getLogger("aiooutbox.consumer")
+
+# After an empty claim, look again after these pauses before declaring idle, so that
+# under steady load a consumer never waits on NOTIFY (and producers never pay for it).
+_LINGER = (0.002, 0.004, 0.008, 0.016, 0.032)
+# Full claims run at least every _FULL_CLAIM_EVERY[1] s, and more often (down to
+# [0] s) while they are cheap: at most _FULL_CLAIM_SHARE of the time goes to them.
+_FULL_CLAIM_EVERY = (0.02, 0.25)
+_FULL_CLAIM_SHARE = 0.05
+# trail the oldest claimed row: producers commit out of their now() order (see
+# docs/benchmarks.md, "watermark lag")
+_WATERMARK_LAG = timedelta(milliseconds=10)
+
+
+class ClaimWindow:
+    """Where the next claim starts, and how many rows it may take.
+
+    Every row that leaves 'pending' leaves a dead entry at the head of the claimable
+    index until VACUUM, so a claim that always starts from the oldest entry walks more
+    of them with every event handled. Most claims therefore start just before the
+    ``available_at`` of the oldest row the previous claim returned; a full claim
+    catches rows the watermark hides (a producer that committed late with an older
+    ``now()``, rows another consumer skipped or released), so their extra delay is
+    bounded by the full claims' interval: at most 250 ms, and as little as 20 ms while
+    full claims are cheap.
+
+    After a claim times out, the next ones ask for a quarter as many rows (down to
+    one), then double back towards the full size with each claim that succeeds.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.size = limit  # rows the next claim may take, shrunk after timeouts
+        self.watermark: tuple[datetime, int] | None = None
+        self._full_every = _FULL_CLAIM_EVERY[1]
+        self._full_at = -math.inf
+
+    def next_is_full(self, now: float) -> bool:
+        return self.watermark is None or now - self._full_at >= self._full_every
+
+    def force_full(self) -> None:
+        """The next claim starts from the oldest entry (before going idle, after trouble)."""
+        self._full_at = -math.inf
+
+    def claimed(
+        self, available_ats: list[datetime], *, full: bool, started: float, ended: float
+    ) -> None:
+        if full:
+            self._full_at = started
+            low, high = _FULL_CLAIM_EVERY
+            self._full_every = min(high, max(low, (ended - started) / _FULL_CLAIM_SHARE))
+        self.size = min(self.limit, self.size * 2)
+        finite = [a for a in available_ats if is_finite(a)]
+        if not finite:
+            return
+        try:
+            oldest = (min(finite) - _WATERMARK_LAG, 0)
+        except OverflowError:  # a row scheduled at the dawn of time
+            return
+        if full or self.watermark is None or oldest > self.watermark:
+            self.watermark = oldest
+
+    def timed_out(self) -> int:
+        """Shrink after a claim timeout; returns the new size."""
+        self.size = max(1, self.size // 4)
+        self.force_full()
+        return self.size
+
+
+class Signals:
+    """Events shared by the consumer's parts; one primitive, `anyio.Event`, re-armed."""
+
+    def __init__(self) -> None:
+        self.wake = anyio.Event()  # a notification, a recovery, a stop
+        self.slot_freed = anyio.Event()  # a handler finished
+        self.stop = anyio.Event()
+
+    def set_wake(self) -> None:
+        self.wake.set()
+
+    def set_slot_freed(self) -> None:
+        self.slot_freed.set()
+
+    def clear_wake(self) -> None:
+        if self.wake.is_set():
+            self.wake = anyio.Event()
+
+    def clear_slot_freed(self) -> None:
+        if self.slot_freed.is_set():
+            self.slot_freed = anyio.Event()
+
+
+class Dispatcher:
+    """Claims for free slots until stopped; hands each row to the workers."""
+
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        options: ConsumerOptions,
+        *,
+        topics: list[str] | None,
+        stats: ConsumerStats,
+        leases: Leases,
+        settler: Settler,
+        signals: Signals,
+        listener: Listener | None,
+        is_stopping: Callable[[], bool],
+        observers: Observers,
+    ) -> None:
+        self._pool = pool
+        self._observers = observers
+        self._o = options
+        self._q = options.queries
+        self._topics = topics  # None: every topic
+        self._stats = stats
+        self._leases = leases
+        self._settler = settler
+        self._signals = signals
+        self._listener = listener
+        self._is_stopping = is_stopping
+        self.window = ClaimWindow(options.claim_size)
+        # a claim failed (its reply may have been lost), or we just started (a consumer
+        # restarted under a fixed worker_id may have left rows behind)
+        self._reconcile = True
+
+    @property
+    def _listening(self) -> bool:
+        return self._listener is not None and self._listener.connected
+
+    async def run(self, handoff: Handoff[ClaimedRow]) -> None:
+        o, s, signals = self._o, self._stats, self._signals
+        backoff = 0.05
+        linger = 0
+        idle = False
+        advertised_on = -1  # the listener connection (reconnect count) idle was declared on
+        full = False
+        refill = max(1, o.claim_size // 4)
+        while not self._is_stopping():
+            want = min(o.concurrency - s.in_flight, o.claim_size)
+            if self._settler.backlog > 4 * o.concurrency:
+                await _wait_for(self._settler.wait_flushed(), o.poll_interval)
+                continue
+            if want <= 0 or (full and want < refill):
+                # a backlog is waiting: claim again as soon as enough slots free
+                signals.clear_slot_freed()
+                await signals.slot_freed.wait()
+                continue
+            signals.clear_wake()
+            try:
+                if self._reconcile:
+                    await self._take_back_orphans()
+                rows = await self._claim(want)
+            except TRANSIENT_ERRORS as exc:
+                if pool_is_closed(self._pool):
+                    raise OutboxError(
+                        "the asyncpg pool was closed under a running consumer"
+                    ) from exc
+                check_permanent(exc, "claiming events")
+                self._reconcile = True
+                self._claim_failed(exc, want, backoff)
+                await _wait_for(signals.stop.wait(), backoff * (0.5 + random.random()))
+                backoff = min(backoff * 2, 5.0)
+                continue
+            backoff = 0.05
+            if rows:
+                # start the handlers first: the advert only gates NOTIFY, and a stale
+                # one for a round trip costs at most one extra notification
+                self._hand_out(rows, handoff)
+                if idle:
+                    idle = False
+                    await self._declare(busy=True)
+            full = len(rows) == min(want, self.window.size)
+            if full:
+                linger = 0
+                continue
+            if rows:
+                linger = 0
+            if linger < len(_LINGER):
+                await _wait_for(signals.wake.wait(), _LINGER[linger])
+                linger += 1
+                continue
+            listener = self._listener
+            if idle and listener is not None and listener.reconnects != advertised_on:
+                # the listener reconnected: after a server crash the unlogged idle table
+                # is empty, so producers would notify nobody until we advertise again
+                idle = False
+            # leaving the fast path: the next claim starts from the oldest entry, so a row
+            # the watermark hid is never left waiting for a poll
+            self.window.force_full()
+            if o.listen and not idle and self._listening:
+                # advertise, then look once more: an insert that committed before the
+                # advertisement saw no idle consumer and sent no notification
+                idle = await self._declare(busy=False)
+                if idle:
+                    advertised_on = listener.reconnects if listener is not None else -1
+                    continue
+            await _wait_for(signals.wake.wait(), await self._idle_timeout())
+            if idle and not signals.wake.is_set():
+                idle = await self._declare(busy=False)  # refresh before it expires
+
+    def _claim_failed(self, exc: BaseException, want: int, backoff: float) -> None:
+        if isinstance(exc, (TimeoutError, asyncpg.QueryCanceledError)):
+            before = min(want, self.window.size)
+            after = self.window.timed_out()
+            logger.warning(
+                "claim of up to %d row(s) got no answer within statement_timeout (%.1fs); "
+                "claiming at most %d next (large payloads or a slow server: raise "
+                "statement_timeout or lower max_claim_bytes); retrying in %.2fs",
+                before,
+                self._o.statement_timeout,
+                after,
+                backoff,
+                extra={"claim_size": after},
+            )
+            return
+        logger.warning("claim failed (%s: %s); retrying in %.2fs", type(exc).__name__, exc, backoff)
+
+    async def _claim(self, want: int) -> list[ClaimedRow]:
+        window = self.window
+        started = time.monotonic()
+        full = window.next_is_full(started)
+        want = min(want, window.size)
+        args: tuple[Any, ...] = (
+            self._o.worker_id,
+            self._o.lease_timeout,
+            self._topics,
+            want,
+            self._o.max_claim_bytes,
+        )
+        sql = self._q.claim
+        if not full:
+            assert window.watermark is not None
+            sql = self._q.claim_after
+            args += window.watermark
+        # shielded: a claim the server committed is always read and handed out, so a
+        # fast stop during a claim releases its rows instead of stranding them for a
+        # lease (the wait is bounded by the acquire and statement timeouts)
+        with anyio.CancelScope(shield=True):
+            async with self._pool.acquire(timeout=self._o.statement_timeout) as conn:
+                records = await conn.fetch(sql, *args, timeout=self._o.statement_timeout)
+        self._stats.claims += 1
+        rows = [ClaimedRow.from_record(r) for r in records]
+        ended = time.monotonic()
+        window.claimed([r.available_at for r in rows], full=full, started=started, ended=ended)
+        if self._observers:
+            self._observers.claimed(len(rows), ended - started)
+        return rows
+
+    async def _take_back_orphans(self) -> None:
+        """Release rows that carry our worker id but that we do not hold.
+
+        A claim whose reply was lost (a dropped connection, a timeout after the commit)
+        leaves its rows ``processing`` under our id; without this they would wait for
+        their lease to expire. Fenced by ``locked_by``: rows another consumer holds are
+        never touched. Runs in the claim loop, between claims, so no claim of ours is in
+        flight; rows we hold or whose outcome waits in the settler are excluded.
+        """
+        released = await bounded(
+            self._pool,
+            "fetch",
+            self._q.release_orphans,
+            self._o.worker_id,
+            # held, or settled here but not yet written: neither is an orphan
+            self._leases.ids() + self._settler.unsettled_ids(),
+            timeout=self._o.statement_timeout,
+        )
+        self._reconcile = False
+        if released:
+            logger.warning(
+                "released %d event(s) claimed by this consumer whose claim reply was lost",
+                len(released),
+                extra={"event_ids": [r[0] for r in released][:1000]},
+            )
+
+    def _hand_out(self, rows: list[ClaimedRow], handoff: Handoff[ClaimedRow]) -> None:
+        self._stats.claimed += len(rows)
+        self._stats.in_flight += len(rows)
+        for row in rows:
+            self._leases.hold(row.id, row.attempts)
+            handoff.put(row)
+
+    async def _idle_timeout(self) -> float:
+        """Jittered poll interval, shortened to when the next delayed event becomes due."""
+        timeout = self._o.poll_interval * random.uniform(0.8, 1.2)
+        try:
+            due: float | None = await bounded(
+                self._pool,
+                "fetchval",
+                self._q.next_available,
+                self._topics,
+                timeout=self._o.statement_timeout,
+            )
+        except TRANSIENT_ERRORS as exc:
+            check_permanent(exc, "looking for delayed events")
+            return timeout
+        if due is not None:
+            timeout = min(timeout, max(due, 0.0) + 0.001)
+        return timeout
+
+    async def _declare(self, *, busy: bool) -> bool:
+        """Advertise this consumer as idle (or withdraw it); return whether it is idle."""
+        try:
+            await declare(self._pool, self._o, self._topics, busy=busy)
+        except TRANSIENT_ERRORS as exc:
+            check_permanent(exc, "advertising idleness")
+            logger.debug("idle advertisement failed: %s", exc)
+            return busy
+        return not busy
+
+
+async def declare(
+    pool: asyncpg.Pool, o: ConsumerOptions, topics: list[str] | None, *, busy: bool
+) -> None:
+    """Write (or delete) this consumer's row in the idle table; ``None`` topics = all."""
+    q = o.queries
+    if busy:
+        await bounded(pool, "execute", q.declare_busy, o.worker_id, timeout=o.statement_timeout)
+        return
+    await bounded(
+        pool,
+        "execute",
+        q.declare_idle,
+        o.worker_id,
+        topics if topics is not None else ["*"],
+        o.poll_interval * 2 + 5.0,
+        timeout=o.statement_timeout,
+    )
+
+
+async def _wait_for(awaitable: Awaitable[Any], timeout: float) -> None:
+    with anyio.move_on_after(timeout):
+        await awaitable

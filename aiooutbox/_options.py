@@ -1,0 +1,157 @@
+"""`ConsumerOptions`: every consumer setting, validated once, frozen.
+
+The consumer, the CLI runner and the web integrations all build one of these, so a
+setting is checked in one place and means the same thing everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from ._codec import Decoder, decode_json
+from ._limits import (
+    MAX_WORKER_ID,
+    check_count,
+    check_seconds,
+    check_topic_name,
+    optional_seconds,
+)
+from ._sql import DEFAULT_SCHEMA, DEFAULT_TABLE, Queries, queries
+from .errors import InvalidArgument
+from .retry import RetryPolicy
+
+__all__ = ["DEFAULT_MAX_CLAIM_BYTES", "ConsumerOptions"]
+
+# A claim stops adding rows once the stored payloads it holds reach this many bytes
+# (after TOAST compression; the first row is always taken). 64 rows of ~7 MB JSON in
+# one claim took longer than the 10 s statement timeout and blocked the event loop
+# for ~12 s while decoding; capped, each claim stays well under a second.
+DEFAULT_MAX_CLAIM_BYTES = 16 * 1024 * 1024
+
+
+def _default_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerOptions:
+    """Validated consumer settings; see `OutboxConsumer` for what each one does."""
+
+    concurrency: int = 64
+    batch_size: int | None = None
+    topics: frozenset[str] | None = None
+    poll_interval: float = 5.0
+    lease_timeout: float = 30.0
+    shutdown_grace: float = 10.0
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    handler_timeout: float | None = None
+    worker_id: str = field(default_factory=_default_worker_id)
+    schema: str = DEFAULT_SCHEMA
+    table: str = DEFAULT_TABLE
+    listen: bool = True
+    listen_dsn: str | None = None
+    retention: float | None = 7 * 86400.0
+    statement_timeout: float = 10.0
+    decoder: Decoder = decode_json
+    max_claim_bytes: int = DEFAULT_MAX_CLAIM_BYTES
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        concurrency: object = 64,
+        batch_size: object = None,
+        topics: object = None,
+        poll_interval: object = 5.0,
+        lease_timeout: object = 30.0,
+        shutdown_grace: object = 10.0,
+        retry: object = None,
+        handler_timeout: object = None,
+        worker_id: object = None,
+        schema: object = DEFAULT_SCHEMA,
+        table: object = DEFAULT_TABLE,
+        listen: object = True,
+        listen_dsn: object = None,
+        retention: object = timedelta(days=7),
+        statement_timeout: object = 10.0,
+        decoder: object = None,
+        max_claim_bytes: object = DEFAULT_MAX_CLAIM_BYTES,
+    ) -> ConsumerOptions:
+        """Check every value (raising `TypeError`/`InvalidArgument`) and freeze them."""
+        q = queries(schema, table)  # validated inside
+        slots = check_count("concurrency", concurrency, 1, 100_000)
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise TypeError(f"retry must be an aiooutbox.RetryPolicy, not {retry!r}")
+        if not isinstance(listen, bool):
+            raise TypeError(f"listen must be True or False, not {listen!r}")
+        if decoder is not None and not callable(decoder):
+            raise TypeError(f"decoder must be a callable taking the JSON text, not {decoder!r}")
+        return cls(
+            concurrency=slots,
+            batch_size=None
+            if batch_size is None
+            else check_count("batch_size", batch_size, 1, slots),
+            topics=_topics(topics),
+            poll_interval=check_seconds("poll_interval", poll_interval, minimum=0.01),
+            lease_timeout=check_seconds("lease_timeout", lease_timeout, minimum=1.0),
+            shutdown_grace=check_seconds("shutdown_grace", shutdown_grace),
+            retry=retry or RetryPolicy(),
+            handler_timeout=optional_seconds("handler_timeout", handler_timeout, minimum=0.001),
+            worker_id=_default_worker_id() if worker_id is None else _worker_id(worker_id),
+            schema=q.schema,
+            table=q.table,
+            listen=listen,
+            listen_dsn=_listen_dsn(listen_dsn),
+            retention=optional_seconds("retention", retention, minimum=1.0),
+            statement_timeout=check_seconds("statement_timeout", statement_timeout, minimum=0.1),
+            decoder=decoder or decode_json,
+            max_claim_bytes=check_count("max_claim_bytes", max_claim_bytes, 1, 1 << 40),
+        )
+
+    @property
+    def queries(self) -> Queries:
+        return queries(self.schema, self.table)
+
+    @property
+    def claim_size(self) -> int:
+        """The most rows one claim takes."""
+        return self.concurrency if self.batch_size is None else self.batch_size
+
+
+def _topics(topics: object) -> frozenset[str] | None:
+    if topics is None:
+        return None
+    if isinstance(topics, str) or not isinstance(topics, Collection):
+        raise TypeError("topics must be a collection of topic names, not a single string")
+    if not topics:
+        raise InvalidArgument("topics is empty: pass None to consume every handled topic")
+    return frozenset(check_topic_name(t, "each of topics") for t in topics)
+
+
+def _worker_id(worker_id: object) -> str:
+    if not isinstance(worker_id, str):
+        raise TypeError(f"worker_id must be a str, not {type(worker_id).__name__}")
+    try:
+        worker_id.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgument("worker_id is not valid Unicode text") from None
+    if not worker_id.strip() or len(worker_id) > MAX_WORKER_ID or "\x00" in worker_id:
+        raise InvalidArgument(
+            f"worker_id must be a non-empty string of 1-{MAX_WORKER_ID} characters without NUL"
+        )
+    return worker_id
+
+
+def _listen_dsn(dsn: object) -> str | None:
+    if dsn is None:
+        return None
+    if not isinstance(dsn, str):
+        raise TypeError(f"listen_dsn must be a str or None, not {type(dsn).__name__}")
+    if not dsn.strip():
+        raise InvalidArgument("listen_dsn is empty: pass None to listen through the pool")
+    return dsn

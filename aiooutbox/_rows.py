@@ -1,0 +1,86 @@
+"""Typed records that cross module boundaries inside the consumer.
+
+`ClaimedRow` is a claimed row read by column name (the claim function's columns);
+`Outcome` is why a row is settled the way it is; `Settlement` is one outcome waiting
+to be written.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+__all__ = ["ClaimedRow", "Outcome", "Settlement", "aware"]
+
+_MIN = datetime.min.replace(tzinfo=UTC)
+_MAX = datetime.max.replace(tzinfo=UTC)
+
+
+def aware(value: datetime) -> datetime:
+    """A timestamptz as asyncpg returns it, with ``±infinity`` made comparable.
+
+    asyncpg returns PostgreSQL's ``-infinity``/``infinity`` as *naive* ``datetime.min``
+    and ``datetime.max``; every finite value is aware. A raw SQL producer may store
+    either, and comparing a naive value with an aware one raises.
+    """
+    if value.tzinfo is not None:
+        return value
+    return _MIN if value <= datetime(1, 1, 2) else _MAX
+
+
+def is_finite(value: datetime) -> bool:
+    return value.tzinfo is not None and _MIN < value < _MAX
+
+
+class Outcome(enum.Enum):
+    """How an event's attempt ends."""
+
+    DONE = "done"  # the handler returned
+    RETRY = "retry"  # the handler failed: retry after a delay, or dead if out of attempts
+    DEAD = "dead"  # dead now, whatever attempts remain (`Dead`, an undecodable row)
+    RELEASED = "released"  # the consumer stopped first: back to retry, never to dead
+
+
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    id: int
+    attempts: int
+    outcome: Outcome
+    delay: float = 0.0
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimedRow:
+    id: int
+    topic: str
+    payload: str
+    dedupe_key: str | None
+    headers: str
+    attempts: int
+    max_attempts: int
+    created_at: datetime
+    available_at: datetime
+    message_id: str
+
+    @classmethod
+    def from_record(cls, record: Any) -> ClaimedRow:
+        return cls(
+            record["id"],
+            record["topic"],
+            record["payload"],
+            record["dedupe_key"],
+            record["headers"],
+            record["attempts"],
+            record["max_attempts"],
+            aware(record["created_at"]),
+            aware(record["available_at"]),
+            record["message_id"],
+        )
+
+    @property
+    def size(self) -> int:
+        """Characters of payload text: what decoding it costs."""
+        return len(self.payload)
