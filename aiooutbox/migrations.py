@@ -133,6 +133,14 @@ def _refuse_newer(applied: set[int], q: Queries) -> None:
         )
 
 
+def schema_missing_message(q: Queries) -> str:
+    """What `SchemaNotReady` says when the outbox was never migrated (consumer and producer)."""
+    return (
+        f"no aiooutbox schema in {q.qualified}: run `python -m aiooutbox migrate` "
+        "or `await aiooutbox.migrate(pool)` first"
+    )
+
+
 async def check_schema(
     conn_or_pool: asyncpg.Connection | asyncpg.Pool,
     *,
@@ -143,10 +151,7 @@ async def check_schema(
     q = queries(schema, table)
     exists = await conn_or_pool.fetchval(q.versions_table_exists, q.versions_table)
     if not exists:
-        raise SchemaNotReady(
-            f"no aiooutbox schema in {q.qualified}: run `python -m aiooutbox migrate` "
-            "or `await aiooutbox.migrate(pool)` first"
-        )
+        raise SchemaNotReady(schema_missing_message(q))
     applied = {r[0] for r in await conn_or_pool.fetch(q.applied_versions)}
     _refuse_newer(applied, q)
     missing = [m.version for m in migrations() if m.version not in applied]
