@@ -18,8 +18,10 @@ import pytest
 
 from tests.test_examples import ORDERS, assert_all_settled
 from tests.test_integrations import eventually, serve_asgi, statuses
+from tests.test_readme import _blocks
 
 ROOT = Path(__file__).resolve().parent.parent
+PRODUCERS_DOC = ROOT / "docs" / "producers.md"
 
 
 @pytest.fixture
@@ -157,3 +159,23 @@ async def test_django_example_with_the_consumer_beside_it(example_env: str) -> N
         assert await statuses(conn) == {"done": len(ORDERS)}
     finally:
         await conn.close()
+
+
+@pytest.mark.parametrize("index", range(len(_blocks("python", PRODUCERS_DOC))))
+async def test_producers_doc_snippet_runs(index: int, dsn: str, tmp_path: Path) -> None:
+    script = tmp_path / f"producers_{index}.py"
+    script.write_text(_blocks("python", PRODUCERS_DOC)[index])
+    env = {**os.environ, "AIOOUTBOX_DSN": dsn}
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    out = await run(sys.executable, str(script), env=env)
+    assert out, "each snippet prints what it did"
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch("SELECT topic, payload::text FROM outbox_events ORDER BY id")
+    finally:
+        await conn.close()
+    if index == 0:
+        assert "kept [1, 2, 3]" in out
+        assert [r[1] for r in rows] == ['{"kept": 1}', '{"kept": 2}', '{"kept": 3}']
+    else:
+        assert [tuple(r) for r in rows] == [("docs.django", '{"n": 1}')]
