@@ -373,3 +373,20 @@ async def test_producers_sharing_dedupe_keys_in_different_orders_do_not_deadlock
     assert sum(r["inserted"] for r in results) == keys + 4 * 3
     assert await conn.fetchval("SELECT count(DISTINCT dedupe_key) FROM outbox_events") == keys
     assert await conn.fetchval("SELECT count(*) FROM outbox_events") == keys + 4 * 3
+
+
+def test_one_statement_definition_renders_for_each_paramstyle() -> None:
+    from aiooutbox._sql import for_paramstyle, queries
+
+    q = queries()
+    for sql, count in ((q.insert_one, 7), (q.insert_many, 7)):
+        assert for_paramstyle(sql, "numeric_dollar") == sql
+        rendered = for_paramstyle(sql, "format")
+        assert rendered == for_paramstyle(sql, "pyformat")
+        assert rendered.count("%s") == count and "$" not in rendered
+        assert rendered.replace("%s", "$?") == re.sub(r"\$\d+", "$?", sql)
+    assert for_paramstyle("SELECT '%' || $1", "format") == "SELECT '%%' || %s"
+    with pytest.raises(ValueError, match="once each, in order"):
+        for_paramstyle("SELECT $2, $1", "format")
+    with pytest.raises(ValueError, match="unsupported paramstyle"):
+        for_paramstyle("SELECT $1", "qmark")
