@@ -390,3 +390,43 @@ def test_one_statement_definition_renders_for_each_paramstyle() -> None:
         for_paramstyle("SELECT $2, $1", "format")
     with pytest.raises(ValueError, match="unsupported paramstyle"):
         for_paramstyle("SELECT $1", "qmark")
+
+
+async def test_the_apps_own_json_codecs_cannot_double_encode(
+    dsn: str, conn: asyncpg.Connection
+) -> None:
+    """Payloads go as text cast in SQL, whatever JSON adapters the app installed."""
+    import json
+
+    import psycopg
+    from psycopg.types.json import set_json_dumps
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    def broken(_: Any) -> str:
+        raise AssertionError("the driver's JSON adapter was used")
+
+    codec_conn = await asyncpg.connect(dsn)
+    await codec_conn.set_type_codec(
+        "jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog"
+    )
+    await aiooutbox.enqueue(codec_conn, "codec", {"via": "asyncpg"})
+    await codec_conn.close()
+
+    pg = await psycopg.AsyncConnection.connect(dsn)
+    set_json_dumps(broken, pg)
+    await aiooutbox.enqueue(pg, "codec", {"via": "psycopg"})
+    await pg.commit()
+    await pg.close()
+
+    engine = create_async_engine(sqlalchemy_url(dsn, "psycopg"), json_serializer=broken)
+    async with AsyncSession(engine) as session:
+        await aiooutbox.enqueue(session, "codec", {"via": "sqlalchemy"})
+        await session.commit()
+    await engine.dispose()
+
+    rows = await conn.fetch("SELECT payload::text FROM outbox_events ORDER BY id")
+    assert [r[0] for r in rows] == [
+        '{"via": "asyncpg"}',
+        '{"via": "psycopg"}',
+        '{"via": "sqlalchemy"}',
+    ]
