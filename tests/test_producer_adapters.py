@@ -255,7 +255,13 @@ def test_the_core_imports_no_optional_library() -> None:
     import subprocess
 
     code = (
-        "import sys, aiooutbox, aiooutbox.sync\n"
+        "import asyncio, sys, aiooutbox, aiooutbox.sync\n"
+        "for call in (lambda: aiooutbox.sync.enqueue(object(), 't', 1),\n"
+        "             lambda: asyncio.run(aiooutbox.enqueue(object(), 't', 1))):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except TypeError:\n"
+        "        pass\n"
         "libraries = ('sqlalchemy', 'psycopg', 'psycopg2', 'django')\n"
         "loaded = [m for m in libraries if m in sys.modules]\n"
         "print(loaded)\n"
