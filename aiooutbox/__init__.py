@@ -1,10 +1,12 @@
 """aiooutbox: a durable transactional outbox and work queue on one PostgreSQL table.
 
-Producers call `enqueue` on the connection that writes their business data, so the event
-commits with it; an `OutboxConsumer` claims events in batches, runs async handlers and
+Producers call `enqueue` on the connection that writes their business data (asyncpg,
+SQLAlchemy, psycopg; `aiooutbox.sync` for blocking code and Django), so the event commits
+with it; an `OutboxConsumer` claims events in batches, runs async handlers and
 settles each row as done, retry or dead.
 """
 
+from . import sync
 from ._version import __version__
 from .consumer import ConsumerStats, OutboxConsumer
 from .errors import Dead, InvalidArgument, OutboxError, Retry, SchemaNotReady, SchemaTooNew
@@ -35,4 +37,5 @@ __all__ = [
     "enqueue_many",
     "migrate",
     "migration_sql",
+    "sync",
 ]

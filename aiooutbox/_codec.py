@@ -40,6 +40,11 @@ def encode_json(value: Any, what: str, encoder: Encoder | None = None) -> str:
     """Serialise ``value`` to JSON text, raising `InvalidArgument`/`TypeError` on failure."""
     try:
         text = (encoder or _stdlib_dumps)(value)
+    except RecursionError:
+        # a value nested thousands deep; None: the traceback would be thousands of frames
+        raise InvalidArgument(
+            f"{what} is not JSON-serialisable: nested too deeply for the JSON encoder"
+        ) from None
     except (TypeError, ValueError, OverflowError) as exc:
         cls = TypeError if isinstance(exc, TypeError) else InvalidArgument
         raise cls(f"{what} is not JSON-serialisable: {exc}") from exc

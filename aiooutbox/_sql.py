@@ -14,7 +14,14 @@ from functools import lru_cache
 
 from .errors import InvalidArgument
 
-__all__ = ["DEFAULT_SCHEMA", "DEFAULT_TABLE", "Queries", "queries", "validate_identifier"]
+__all__ = [
+    "DEFAULT_SCHEMA",
+    "DEFAULT_TABLE",
+    "Queries",
+    "for_paramstyle",
+    "queries",
+    "validate_identifier",
+]
 
 DEFAULT_SCHEMA = "public"
 DEFAULT_TABLE = "outbox_events"
@@ -38,6 +45,27 @@ def validate_identifier(kind: str, name: object, max_length: int = _MAX_SCHEMA) 
     if name.startswith("pg_"):
         raise InvalidArgument(f"invalid {kind} name {name!r}: the pg_ prefix is reserved")
     return name
+
+
+_DOLLAR = re.compile(r"\$(\d+)")
+
+
+@lru_cache(maxsize=64)
+def for_paramstyle(sql: str, style: str) -> str:
+    """``sql`` written with ``$1..$n`` placeholders, rendered for a DB-API paramstyle.
+
+    The statements are defined once, in asyncpg's numbering; psycopg, psycopg2, Django
+    and SQLAlchemy's psycopg dialects take ``%s`` in the same positions. Each parameter
+    must appear once, in order, so positional binding stays the same list of values.
+    """
+    if style == "numeric_dollar":
+        return sql
+    if style not in ("format", "pyformat"):
+        raise ValueError(f"unsupported paramstyle {style!r}")
+    numbers = [int(n) for n in _DOLLAR.findall(sql)]
+    if numbers != list(range(1, len(numbers) + 1)):
+        raise ValueError(f"placeholders must appear once each, in order: {numbers}")
+    return _DOLLAR.sub("%s", sql.replace("%", "%%"))
 
 
 def _channel(schema: str, table: str) -> str:
@@ -153,6 +181,7 @@ class Queries:
         return "SELECT pg_advisory_unlock(hashtextextended($1, 0))"
 
     # -- producer ------------------------------------------------------------------
+    # Written once with $n placeholders; `for_paramstyle` renders them for %s drivers.
     @property
     def insert_one(self) -> str:
         # $1 topic, $2 payload json, $3 dedupe_key, $4 headers json, $5 max_attempts,

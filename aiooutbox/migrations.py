@@ -189,6 +189,14 @@ def _refuse_newer(applied: dict[int, int | None], q: Queries) -> None:
         )
 
 
+def schema_missing_message(q: Queries) -> str:
+    """What `SchemaNotReady` says when the outbox was never migrated (consumer and producer)."""
+    return (
+        f"no aiooutbox schema in {q.qualified}: run `python -m aiooutbox migrate` "
+        "or `await aiooutbox.migrate(pool)` first"
+    )
+
+
 async def check_schema(
     conn_or_pool: asyncpg.Connection | asyncpg.Pool,
     *,
@@ -199,10 +207,7 @@ async def check_schema(
     q = queries(schema, table)
     exists = await conn_or_pool.fetchval(q.versions_table_exists, q.versions_table)
     if not exists:
-        raise SchemaNotReady(
-            f"no aiooutbox schema in {q.qualified}: run `python -m aiooutbox migrate` "
-            "or `await aiooutbox.migrate(pool)` first"
-        )
+        raise SchemaNotReady(schema_missing_message(q))
     applied = await _applied(conn_or_pool, q)
     _refuse_newer(applied, q)
     missing = [m.version for m in migrations() if m.version not in applied]

@@ -1,26 +1,44 @@
-"""Enqueue events on the caller's connection, so they commit with the caller's work."""
+"""Enqueue events on the caller's connection, so they commit with the caller's work.
+
+This module is the one place that validates events and builds the statement and its
+parameters, whatever the driver; `_adapters` only binds and executes them on asyncpg,
+psycopg, SQLAlchemy or Django connections, and `aiooutbox.sync` is the blocking twin of
+`enqueue`/`enqueue_many`.
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
-import asyncpg
-
+from . import _adapters
 from ._codec import Encoder, check_utf8, encode_json
-from ._sql import DEFAULT_SCHEMA, DEFAULT_TABLE, queries
+from ._sql import DEFAULT_SCHEMA, DEFAULT_TABLE, Queries, queries
 from .errors import InvalidArgument
 from .events import NewEvent
 
-__all__ = ["DEFAULT_MAX_ATTEMPTS", "MAX_TOPIC_LENGTH", "enqueue", "enqueue_many"]
+__all__ = [
+    "DEFAULT_MAX_ATTEMPTS",
+    "EARLIEST_AVAILABLE_AT",
+    "LATEST_AVAILABLE_AT",
+    "MAX_TOPIC_LENGTH",
+    "enqueue",
+    "enqueue_many",
+]
 
 DEFAULT_MAX_ATTEMPTS = 5
 MAX_TOPIC_LENGTH = 255
 # in UTF-8 bytes: the unique btree index refuses entries over 2704 bytes
 MAX_DEDUPE_KEY_LENGTH = 1024
-# now() + delay must stay a valid timestamptz (and a sane schedule)
+# The schedule's limits, in one place. An absolute ``available_at`` must fall within
+# [EARLIEST_AVAILABLE_AT, LATEST_AVAILABLE_AT]: PostgreSQL would store datetime.min as
+# -infinity, which no driver reads back as an aware datetime, and years past 9999 do not
+# fit Python's datetime. ``now() + delay`` stays inside that range by construction: a
+# delay is 0..1000 years.
+EARLIEST_AVAILABLE_AT = datetime(1970, 1, 1, tzinfo=timezone.utc)
+LATEST_AVAILABLE_AT = datetime(9000, 1, 1, tzinfo=timezone.utc)
 MAX_DELAY_SECONDS = 1000 * 366 * 86400.0
 MAX_BATCH = 100_000
 
@@ -45,6 +63,18 @@ class _Row:
         self.headers = _check_headers(event.headers, encoder, where)
         self.max_attempts = _check_max_attempts(event.max_attempts, where)
         self.available_at, self.delay = _check_schedule(event.delay, event.available_at, where)
+
+    def params(self) -> tuple[Any, ...]:
+        """The bind values of `Queries.insert_one`, in placeholder order."""
+        return (
+            self.topic,
+            self.payload,
+            self.dedupe_key,
+            self.headers,
+            self.max_attempts,
+            self.available_at,
+            self.delay,
+        )
 
 
 def _check_topic(topic: object, where: str) -> str:
@@ -114,6 +144,15 @@ def _check_schedule(
             raise InvalidArgument(
                 f"{where}available_at must be timezone-aware (e.g. datetime.now(timezone.utc))"
             )
+        try:
+            in_range = EARLIEST_AVAILABLE_AT <= available_at <= LATEST_AVAILABLE_AT
+        except OverflowError:  # an offset that pushes it past datetime's own range
+            in_range = False
+        if not in_range:
+            raise InvalidArgument(
+                f"{where}available_at must be between {EARLIEST_AVAILABLE_AT:%Y-%m-%d} and "
+                f"{LATEST_AVAILABLE_AT:%Y-%m-%d} (UTC), got {available_at.isoformat()}"
+            )
         return available_at, 0.0
     if delay is None:
         return None, 0.0
@@ -134,8 +173,103 @@ def _check_schedule(
     return None, seconds
 
 
+def prepare_one(
+    topic: str,
+    payload: Any,
+    *,
+    dedupe_key: str | None,
+    delay: float | timedelta | None,
+    available_at: datetime | None,
+    max_attempts: int | None,
+    headers: Mapping[str, Any] | None,
+    schema: str,
+    table: str,
+    encoder: Encoder | None,
+) -> tuple[Queries, str, tuple[Any, ...]]:
+    """Validate one event; return the outbox, the statement and its parameters."""
+    q = queries(schema, table)
+    row = _Row(
+        NewEvent(topic, payload, dedupe_key, delay, available_at, max_attempts, headers), encoder
+    )
+    return q, q.insert_one, row.params()
+
+
+def one_result(records: Sequence[Sequence[Any]]) -> int | None:
+    """`enqueue`'s return value from the rows `insert_one` returned."""
+    return int(records[0][0]) if records else None
+
+
+class Batch:
+    """A validated `enqueue_many` batch: the statement, its arrays, and how to map back.
+
+    Rows are bound sorted by dedupe key (keyless rows last, each group in input order), so
+    producers whose batches share keys take the unique index's locks in the same order
+    and wait for each other instead of deadlocking; `results` restores input order.
+    """
+
+    __slots__ = ("order", "q", "rows")
+
+    def __init__(
+        self, events: Iterable[NewEvent], schema: str, table: str, encoder: Encoder | None
+    ) -> None:
+        self.q = queries(schema, table)
+        if isinstance(events, (str, bytes, NewEvent)) or not isinstance(events, Iterable):
+            raise TypeError("enqueue_many takes an iterable of aiooutbox.NewEvent")
+        rows: list[_Row] = []
+        for index, event in enumerate(events):
+            if not isinstance(event, NewEvent):
+                raise TypeError(
+                    f"events[{index}] is a {type(event).__name__}; wrap it in aiooutbox.NewEvent"
+                )
+            rows.append(_Row(event, encoder, f"events[{index}]."))
+            if len(rows) > MAX_BATCH:
+                raise InvalidArgument(f"enqueue_many takes at most {MAX_BATCH} events per call")
+        self.rows = rows
+        # a stable sort: the first occurrence of a key is still inserted first and wins
+        self.order = sorted(
+            range(len(rows)),
+            key=lambda i: (rows[i].dedupe_key is None, rows[i].dedupe_key or ""),
+        )
+
+    @property
+    def statement(self) -> str:
+        return self.q.insert_many
+
+    def params(self) -> tuple[list[Any], ...]:
+        """The seven arrays of `Queries.insert_many`, in insertion order."""
+        ordered = [self.rows[i] for i in self.order]
+        return (
+            [r.topic for r in ordered],
+            [r.payload for r in ordered],
+            [r.dedupe_key for r in ordered],
+            [r.headers for r in ordered],
+            [r.max_attempts for r in ordered],
+            [r.available_at for r in ordered],
+            [r.delay for r in ordered],
+        )
+
+    def results(self, records: Sequence[Sequence[Any]]) -> list[int | None]:
+        """One id or ``None`` per input event, in input order, from the returned rows."""
+        by_key: dict[str, int] = {}
+        unkeyed: list[int] = []
+        for record in records:
+            if record[1] is None:
+                unkeyed.append(int(record[0]))
+            else:
+                by_key[record[1]] = int(record[0])
+        # keyless rows are inserted last, in input order, so their ids ascend with it
+        unkeyed.sort(reverse=True)
+        results: list[int | None] = []
+        for r in self.rows:
+            if r.dedupe_key is None:
+                results.append(unkeyed.pop())
+            else:
+                results.append(by_key.pop(r.dedupe_key, None))
+        return results
+
+
 async def enqueue(
-    conn: asyncpg.Connection | asyncpg.Pool,
+    conn: Any,
     topic: str,
     payload: Any,
     *,
@@ -150,30 +284,32 @@ async def enqueue(
 ) -> int | None:
     """Insert one event and return its id, or ``None`` if ``dedupe_key`` already exists.
 
-    On a connection the insert joins the caller's transaction, so the event exists if and
-    only if that transaction commits. On a pool it commits on its own. Every argument is
-    validated before anything is sent; ``payload`` and ``headers`` must be JSON-serialisable
-    (no NaN or Infinity) unless ``encoder`` says otherwise.
+    ``conn`` is an asyncpg ``Connection`` or ``Pool``, a SQLAlchemy ``AsyncSession`` or
+    ``AsyncConnection`` (asyncpg or psycopg underneath), or a psycopg ``AsyncConnection``.
+    On a connection or session the insert joins the caller's transaction (beginning one
+    the way the library would on its own first statement), so the event exists if and
+    only if that transaction commits; on a pool it commits on its own. Every argument is
+    validated before anything is sent; ``payload`` and ``headers`` must be
+    JSON-serialisable (no NaN or Infinity) unless ``encoder`` says otherwise.
     """
-    row = _Row(
-        NewEvent(topic, payload, dedupe_key, delay, available_at, max_attempts, headers), encoder
+    execute = _adapters.async_executor(conn)
+    q, sql, params = prepare_one(
+        topic,
+        payload,
+        dedupe_key=dedupe_key,
+        delay=delay,
+        available_at=available_at,
+        max_attempts=max_attempts,
+        headers=headers,
+        schema=schema,
+        table=table,
+        encoder=encoder,
     )
-    q = queries(schema, table)
-    result: int | None = await conn.fetchval(
-        q.insert_one,
-        row.topic,
-        row.payload,
-        row.dedupe_key,
-        row.headers,
-        row.max_attempts,
-        row.available_at,
-        row.delay,
-    )
-    return result
+    return one_result(await execute(q, sql, params))
 
 
 async def enqueue_many(
-    conn: asyncpg.Connection | asyncpg.Pool,
+    conn: Any,
     events: Iterable[NewEvent],
     *,
     schema: str = DEFAULT_SCHEMA,
@@ -184,45 +320,11 @@ async def enqueue_many(
 
     ``None`` marks an event whose ``dedupe_key`` already existed, in the table or earlier
     in the same batch (the first occurrence wins). One statement means one wake-up
-    notification per distinct topic, however many events.
+    notification per distinct topic, however many events. ``conn`` is what `enqueue`
+    takes.
     """
-    if isinstance(events, (str, bytes, NewEvent)) or not isinstance(events, Iterable):
-        raise TypeError("enqueue_many takes an iterable of aiooutbox.NewEvent")
-    rows: list[_Row] = []
-    for index, event in enumerate(events):
-        if not isinstance(event, NewEvent):
-            raise TypeError(
-                f"events[{index}] is a {type(event).__name__}; wrap it in aiooutbox.NewEvent"
-            )
-        rows.append(_Row(event, encoder, f"events[{index}]."))
-        if len(rows) > MAX_BATCH:
-            raise InvalidArgument(f"enqueue_many takes at most {MAX_BATCH} events per call")
-    if not rows:
+    execute = _adapters.async_executor(conn)
+    batch = Batch(events, schema, table, encoder)
+    if not batch.rows:
         return []
-    q = queries(schema, table)
-    returned: Sequence[Any] = await conn.fetch(
-        q.insert_many,
-        [r.topic for r in rows],
-        [r.payload for r in rows],
-        [r.dedupe_key for r in rows],
-        [r.headers for r in rows],
-        [r.max_attempts for r in rows],
-        [r.available_at for r in rows],
-        [r.delay for r in rows],
-    )
-    by_key: dict[str, int] = {}
-    unkeyed: list[int] = []
-    for record in returned:
-        if record[1] is None:
-            unkeyed.append(record[0])
-        else:
-            by_key[record[1]] = record[0]
-    # rows are inserted in input order, so identity values of unkeyed rows ascend with it
-    unkeyed.sort(reverse=True)
-    results: list[int | None] = []
-    for r in rows:
-        if r.dedupe_key is None:
-            results.append(unkeyed.pop())
-        else:
-            results.append(by_key.pop(r.dedupe_key, None))
-    return results
+    return batch.results(await execute(batch.q, batch.statement, batch.params()))

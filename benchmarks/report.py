@@ -254,6 +254,26 @@ def markdown(results: dict[str, Any]) -> str:
                     f"| {_fmt(row['ratio'], 2)} | {_fmt(row.get('notifications_per_s'))} |"
                 )
 
+    drivers = results.get("drivers", {})
+    if drivers:
+        first = next(iter(drivers.values()))
+        lines += [
+            "",
+            "## Producer throughput per driver (one-event transactions/s, "
+            f"{first.get('connections', 8)} connections, no consumer)",
+            "",
+            "| driver path | commits/s | x asyncpg |",
+            "|---|---:|---:|",
+        ]
+        for name, row in drivers.items():
+            if "error" in row:
+                lines.append(f"| {name} | failed: {row['error'][:80]} | |")
+                continue
+            lines.append(
+                f"| {name} | {_fmt(row['commits_per_s'])} "
+                f"| {_fmt(row.get('ratio_to_asyncpg'), 2)} |"
+            )
+
     history = results.get("history")
     if history:
         s = history["summary"]

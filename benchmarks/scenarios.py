@@ -9,12 +9,15 @@ systems; every consumer runs in its own child process.
 4. producer cost: commit rate of one-event transactions with a consumer running, the
    wake-up trigger enabled vs disabled;
 5. cost of history: drain with ``done`` rows in the table vs none, and the claim plan;
-6. consumer RSS over the largest drain.
+6. consumer RSS over the largest drain;
+7. producer throughput per driver path (asyncpg, SQLAlchemy, psycopg, psycopg2, Django):
+   one-event transactions on 8 connections, no consumer (benchmarks/drivers.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import platform
 import random
@@ -88,6 +91,8 @@ class Config:
     producer_levels: list[int] = field(default_factory=lambda: [1, 8, 32, 64])
     producer_seconds: float = 2.0
     producer_rounds: int = 4
+    driver_connections: int = 8
+    driver_seconds: float = 1.5
     history_rows: int = 1_000_000
     history_drain: int = 50_000
     history_rounds: int = 3
@@ -96,7 +101,7 @@ class Config:
     patch: str | None = None  # Python file each aiooutbox consumer child runs first
     sql_patch: str | None = None  # SQL run on aiooutbox's databases after migrating
     scenarios: list[str] = field(
-        default_factory=lambda: ["drain", "history", "steady", "wakeup", "producers"]
+        default_factory=lambda: ["drain", "history", "steady", "wakeup", "producers", "drivers"]
     )
 
     @classmethod
@@ -112,6 +117,7 @@ class Config:
             producer_levels=[1, 8, 32],
             producer_seconds=1.5,
             producer_rounds=1,
+            driver_seconds=1.0,
             history_rows=100_000,
             history_drain=5_000,
             history_rounds=1,
@@ -255,6 +261,7 @@ class Bench:
                 "steady": self.steady_state,
                 "wakeup": self.wakeup,
                 "producers": self.producer_cost,
+                "drivers": self.driver_throughput,
             }
             for name in scenarios:
                 await steps[name]()
@@ -714,6 +721,38 @@ class Bench:
             for conn in [*conns, listener]:
                 await conn.close()
         return counted / elapsed, done, notes / elapsed
+
+    # -- 4b. producer throughput per driver --------------------------------------------
+    async def driver_throughput(self) -> None:
+        from .drivers import DRIVERS
+
+        config, system = self.config, self.systems[AIO]
+        n = config.driver_connections
+        self.log(f"producer throughput per driver: one-event transactions, {n} connections")
+        out: dict[str, Any] = {}
+        for driver in DRIVERS:
+            await system.reset()
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "benchmarks.drivers", system.dsn, driver, str(n),
+                str(config.driver_seconds),
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+            stdout, stderr = await asyncio.wait_for(proc.communicate(), config.driver_seconds + 120)
+            if proc.returncode != 0:
+                last = (stderr.decode().strip().splitlines() or ["no output"])[-1]
+                out[driver] = {"error": last}
+                self.log(f"  {driver:26} failed: {last}")
+                continue
+            out[driver] = json.loads(stdout.decode().strip().splitlines()[-1])
+        base = out.get("asyncpg", {}).get("commits_per_s")
+        for driver, row in out.items():
+            if base and "commits_per_s" in row:
+                row["ratio_to_asyncpg"] = round(row["commits_per_s"] / base, 3)
+                self.log(
+                    f"  {driver:26} {row['commits_per_s']:>8,.0f} commits/s "
+                    f"({row['ratio_to_asyncpg']:.2f} x asyncpg)"
+                )
+        self.results["drivers"] = out
 
     # -- 5. cost of history ----------------------------------------------------------
     async def cost_of_history(self) -> None:

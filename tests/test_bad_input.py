@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterator
-from datetime import UTC, date, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta, timezone
 from typing import Any
 
 import asyncpg
@@ -35,6 +35,13 @@ NOW = datetime.now(UTC)
 
 class Unserialisable:
     pass
+
+
+def nested(depth: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(depth):
+        value = [value]
+    return value
 
 
 def circular() -> list[Any]:
@@ -68,6 +75,8 @@ BAD_EVENTS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("payload-ninf", {"payload": [float("-inf")]}, InvalidArgument, "not JSON-serialisable"),
     ("payload-nested-nan", {"payload": {"a": {"b": float("nan")}}}, InvalidArgument, "JSON"),
     ("payload-circular", {"payload": circular()}, InvalidArgument, "not JSON-serialisable"),
+    ("payload-deep", {"payload": nested(5000)}, InvalidArgument, "nested too deeply"),
+    ("headers-deep", {"headers": {"h": nested(5000)}}, InvalidArgument, "nested too deeply"),
     ("payload-nul", {"payload": {"a": "x\x00y"}}, InvalidArgument, "NUL"),
     ("payload-nul-key", {"payload": {"\x00": 1}}, InvalidArgument, "NUL"),
     ("payload-surrogate", {"payload": {"a": "\udfff"}}, InvalidArgument, "not valid Unicode"),
@@ -104,6 +113,36 @@ BAD_EVENTS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
         {"available_at": date(2030, 1, 1)},
         TypeError,
         "available_at must be a datetime, not date",
+    ),
+    (
+        "available-at-min",
+        {"available_at": datetime.min.replace(tzinfo=timezone.utc)},
+        InvalidArgument,
+        "available_at must be between 1970-01-01 and 9000-01-01 (UTC)",
+    ),
+    (
+        "available-at-1969",
+        {"available_at": datetime(1969, 12, 31, 23, 59, tzinfo=timezone.utc)},
+        InvalidArgument,
+        "available_at must be between",
+    ),
+    (
+        "available-at-max",
+        {"available_at": datetime.max.replace(tzinfo=timezone.utc)},
+        InvalidArgument,
+        "available_at must be between",
+    ),
+    (
+        "available-at-max-behind-utc",
+        {"available_at": datetime.max.replace(tzinfo=timezone(-timedelta(hours=23)))},
+        InvalidArgument,
+        "available_at must be between",
+    ),
+    (
+        "available-at-9001",
+        {"available_at": datetime(9001, 1, 1, tzinfo=timezone.utc)},
+        InvalidArgument,
+        "available_at must be between",
     ),
     ("max-attempts-0", {"max_attempts": 0}, InvalidArgument, "max_attempts must be between 1"),
     ("max-attempts-neg", {"max_attempts": -1}, InvalidArgument, "max_attempts must be between"),

@@ -36,6 +36,8 @@ def tiny() -> Config:
         producer_levels=[1, 2],
         producer_seconds=0.2,
         producer_rounds=1,
+        driver_connections=2,
+        driver_seconds=0.2,
         history_rows=20_000,
         history_drain=300,
         history_rounds=1,
@@ -58,7 +60,7 @@ async def test_benchmark_suite_runs_at_tiny_sizes(pg_server: str, tmp_path: Path
     loaded = json.loads(paths["json"].read_text())
 
     for key in ("meta", "config", "settings", "drain", "history", "steady", "wakeup",
-                "producers", "rss", "targets"):  # fmt: skip
+                "producers", "drivers", "rss", "targets"):  # fmt: skip
         assert key in loaded, key
     assert loaded["meta"]["postgresql"]["version"].startswith("PostgreSQL")
 
@@ -115,6 +117,16 @@ async def test_benchmark_suite_runs_at_tiny_sizes(pg_server: str, tmp_path: Path
             assert level["notifications_per_s"] >= 0
             assert len(level["backlog_after"]["on"]) == 1
         assert data["consumer_handled"] == data["produced"]
+
+    # 4b. producer throughput: every driver path committed one-event transactions
+    from benchmarks.drivers import DRIVERS
+
+    assert list(loaded["drivers"]) == list(DRIVERS)
+    for row in loaded["drivers"].values():
+        assert "error" not in row, row
+        assert row["connections"] == 2 and row["commits"] > 0
+        assert positive(row["commits_per_s"]) and positive(row["ratio_to_asyncpg"])
+    assert "## Producer throughput per driver" in paths["markdown"].read_text()
 
     # 5. history: the claim stays on the partial index with done rows in the table
     history = loaded["history"]

@@ -454,7 +454,13 @@ async def test_enqueue_many_dedupes_within_the_batch_and_against_the_table(
             event.dedupe_key,
         )
     inserted = [i for i in ids if i is not None]
-    assert inserted == sorted(inserted), "rows are inserted in input order"
+    # keyed rows go in first, sorted by key (so producers sharing keys cannot deadlock),
+    # then the keyless ones in input order
+    pairs = list(zip(batch, ids, strict=True))
+    keyed = {e.dedupe_key: i for e, i in pairs if i is not None and e.dedupe_key is not None}
+    by_key = [keyed[k] for k in sorted(keyed)]
+    unkeyed = [i for e, i in pairs if e.dedupe_key is None]
+    assert by_key + unkeyed == sorted(inserted)
     assert len(set(inserted)) == 6
     assert await count(conn) == 7
     assert (await stored(conn, existing))["payload"] == "existing"  # type: ignore[arg-type]
