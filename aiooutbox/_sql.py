@@ -84,11 +84,18 @@ class Queries:
         return _channel(self.schema, self.table)
 
     def render(self, template: str) -> str:
-        """Fill a migration file's placeholders with this outbox's names."""
-        return (
-            template.replace("{{schema}}", self.schema)
+        """Fill a migration file's placeholders with this outbox's names.
+
+        Comment lines are left as written: the files' own notes about their
+        placeholders must not come out as ``-- Placeholders: public, outbox_events``.
+        """
+        return "".join(
+            line
+            if line.lstrip().startswith("--")
+            else line.replace("{{schema}}", self.schema)
             .replace("{{table}}", self.table)
             .replace("{{channel}}", self.channel)
+            for line in template.splitlines(keepends=True)
         )
 
     # -- migrations ----------------------------------------------------------------
