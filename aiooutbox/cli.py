@@ -421,10 +421,13 @@ def _migrate_hint(message: str, args: argparse.Namespace) -> str:
     hint = _table_hint(args)
     if getattr(args, "pgbouncer", False):
         hint += " --pgbouncer"
-    fixed = message.replace("python -m aiooutbox migrate`", f"python -m aiooutbox migrate{hint}`")
-    if args.command == "run" and fixed != message:
-        fixed += ", or pass --migrate"
-    return fixed
+    if args.command == "run":
+        hint += "` (or pass --migrate to run)"
+    else:
+        hint += "`"
+    # a shell user needs the command, not the Python call the library also suggests
+    message = message.replace(" or `await aiooutbox.migrate(pool)`", "")
+    return message.replace("python -m aiooutbox migrate`", f"python -m aiooutbox migrate{hint}")
 
 
 # -- operator commands ----------------------------------------------------------------------
