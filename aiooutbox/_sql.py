@@ -49,6 +49,12 @@ def _channel(schema: str, table: str) -> str:
     return f"aiooutbox_{digest}"
 
 
+def _fill(text: str, names: dict[str, str]) -> str:
+    for key, value in names.items():
+        text = text.replace("{{" + key + "}}", value)
+    return text
+
+
 @lru_cache(maxsize=64)
 def queries(schema: str = DEFAULT_SCHEMA, table: str = DEFAULT_TABLE) -> Queries:
     """The validated, cached statement set for one outbox."""
@@ -86,15 +92,15 @@ class Queries:
     def render(self, template: str) -> str:
         """Fill a migration file's placeholders with this outbox's names.
 
-        Comment lines are left as written: the files' own notes about their
-        placeholders must not come out as ``-- Placeholders: public, outbox_events``.
+        In comment lines they become ``<schema>``: the files' own notes about their
+        placeholders must not come out as ``-- Placeholders: public, outbox_events``,
+        nor keep braces that a templating migration tool would trip on.
         """
+        names = {"schema": self.schema, "table": self.table, "channel": self.channel}
         return "".join(
-            line
+            _fill(line, {k: f"<{k}>" for k in names})
             if line.lstrip().startswith("--")
-            else line.replace("{{schema}}", self.schema)
-            .replace("{{table}}", self.table)
-            .replace("{{channel}}", self.channel)
+            else _fill(line, names)
             for line in template.splitlines(keepends=True)
         )
 

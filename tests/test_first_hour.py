@@ -138,14 +138,12 @@ async def test_a_malformed_dsn_is_a_usage_error_and_a_bad_host_a_hint() -> None:
     _short_error(host, 1, "cannot connect", "is the host name spelled right?")
 
 
-async def test_migrate_sql_keeps_the_comments_placeholders() -> None:
+async def test_migrate_sql_leaves_the_comments_placeholders_as_names() -> None:
     result = await cli("migrate", "--sql", "--table", "jobs")
     assert result.rc == 0
-    assert "-- Placeholders: {{schema}}, {{table}}" in result.out
-    assert "Placeholders: public" not in result.out and "jobs_claim" in result.out
-    assert "{{table}}" not in "".join(
-        line for line in result.out.splitlines() if not line.startswith("--")
-    )
+    assert "-- Placeholders: <schema>, <table> (validated" in result.out
+    assert "Placeholders: public" not in result.out and '"jobs_claim"' in result.out
+    assert "{{" not in result.out
 
 
 # -- run: the library's options, from the command line -----------------------------------
