@@ -84,13 +84,18 @@ def build_parser(prog: str = "aiooutbox") -> argparse.ArgumentParser:
         {prog} run myapp.jobs:handlers --dsn postgresql://app@db/app
         {prog} run myapp.jobs:router --concurrency 16 --topics orders.created,emails.send
         AIOOUTBOX_DSN=postgresql://app@db/app {prog} run myapp.jobs:make_handlers --migrate
+        {prog} run myapp.jobs:handlers --handler-timeout 30s --retry-base 5s --retention none
+        {prog} run myapp.jobs:handlers --dsn postgresql://app@pgbouncer:6432/app --pgbouncer \\
+            --listen-dsn postgresql://app@db:5432/app
         """,
         """
         MODULE:HANDLERS names a mapping of topic to async handler, an aiooutbox.Router,
         or a zero-argument (async) function returning one. The first SIGTERM/SIGINT stops
         claiming and lets running handlers finish (up to --shutdown-grace); a second
         one cancels them and releases their events at once. Exit status 0 after a stop,
-        non-zero after any fatal error.
+        non-zero after any fatal error. A DURATION is 500ms, 30s, 15m, 12h, 7d, 1w or
+        1h30m; a bare number is seconds. Behind PgBouncer in transaction mode, pass
+        --pgbouncer and --listen-dsn (direct to PostgreSQL) or --no-listen.
         """,
     )
     run.set_defaults(func=cmd_run)
@@ -155,8 +160,8 @@ def build_parser(prog: str = "aiooutbox") -> argparse.ArgumentParser:
     )
     retry = run.add_argument_group(
         "retry policy (after a failed attempt; a Router's retry= wins)",
-        "the delay ceiling grows from --retry-base by --retry-factor per attempt up to "
-        "--retry-max-delay; the delay is drawn from [ceiling * (1 - jitter), ceiling]",
+        "the delay ceiling grows from --retry-base by --retry-factor per attempt up to\n"
+        "--retry-max-delay; each delay is drawn from [ceiling * (1 - jitter), ceiling]",
     )
     for option, key, kind, what in (
         ("--retry-base", "base", DURATION, "first ceiling"),
@@ -207,7 +212,10 @@ def build_parser(prog: str = "aiooutbox") -> argparse.ArgumentParser:
     enq.add_argument("payload", metavar="PAYLOAD_JSON", type=JSON, help="payload, as JSON")
     enq.add_argument("--dedupe-key", help="do nothing if an event with this key exists")
     enq.add_argument(
-        "--delay", type=DURATION, metavar="DURATION", help="make it available later, e.g. 30s, 15m"
+        "--delay",
+        type=DURATION,
+        metavar="DURATION",
+        help="make it available later, e.g. 30s, 15m, or 90 (a bare number is seconds)",
     )
     enq.add_argument("--max-attempts", type=POSITIVE_INT, metavar="N", help="default 5")
     enq.add_argument("--headers", type=JSON_OBJECT, help="a JSON object of headers")
