@@ -49,6 +49,9 @@ async def test_durations_negative_bare_and_help_agree(dsn: str, conn: asyncpg.Co
     assert 89 <= float(delay) <= 91  # a bare number is seconds, as the docs say
     docs = (ROOT / "docs" / "cli.md").read_text()
     assert "a bare number is seconds" in docs and "negative ones are refused" in docs
+    for command in ("enqueue", "run"):
+        helped = await cli(command, "--help")
+        assert "a bare number is" in helped.out and "seconds" in helped.out, helped.out
 
 
 # -- messages -------------------------------------------------------------------------
