@@ -386,17 +386,24 @@ def main(argv: Sequence[str] | None = None, prog: str = "aiooutbox") -> int:
     _logging.configure(args.log_level, args.log_format)
     args.prog = prog
     args.started_embedded = None
-    status = _call(args)
-    if status != 0 and args.started_embedded is not None:
-        # never leave behind a server that a failed command started
-        with contextlib.suppress(OutboxError, OSError):
-            embedded.stop(args.started_embedded)
-            print(
-                f"{prog}: stopped the embedded PostgreSQL this command started "
-                f"in {args.started_embedded}",
-                file=sys.stderr,
-            )
+    status = 1
+    try:
+        status = _call(args)
+    finally:
+        if status != 0 and args.started_embedded is not None:
+            _stop_started_server(args)
     return status
+
+
+def _stop_started_server(args: argparse.Namespace) -> None:
+    """Never leave behind a server that a failed command started."""
+    with contextlib.suppress(OutboxError, OSError):
+        embedded.stop(args.started_embedded)
+        print(
+            f"{args.prog}: stopped the embedded PostgreSQL this command started "
+            f"in {args.started_embedded}",
+            file=sys.stderr,
+        )
 
 
 def _call(args: argparse.Namespace) -> int:
