@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import socket
 import sys
 import textwrap
 from collections.abc import AsyncIterator, Callable
@@ -27,7 +28,7 @@ import asyncpg
 from . import _logging, admin, embedded
 from ._sql import _MAX_TABLE, validate_identifier
 from .errors import InvalidArgument
-from .migrations import check_schema
+from .migrations import check_schema, migrate
 
 logger = logging.getLogger("aiooutbox.cli")
 
@@ -114,13 +115,56 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def _dsn(text: str) -> str:
+    """A PostgreSQL URL, checked before anything connects: a typo is a usage error."""
+    dsn = text.strip()
+    scheme, sep, _ = dsn.partition("://")
+    if not sep or scheme not in ("postgresql", "postgres"):
+        raise InvalidArgument(
+            f"invalid DSN {_clip(redact(dsn))!r}: expected "
+            "postgresql://user:password@host:port/database"
+        )
+    try:
+        urlsplit(dsn).port  # noqa: B018 - raises on a malformed port
+    except ValueError as exc:
+        raise InvalidArgument(f"invalid DSN {_clip(redact(dsn))!r}: {exc}") from None
+    return dsn
+
+
 def _clip(text: str, width: int = 60) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise InvalidArgument(f"expected a number such as 2 or 1.5, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise InvalidArgument(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _number(text)
+    if value > 1:
+        raise InvalidArgument(f"expected a number from 0 to 1, got {text!r}")
+    return value
+
+
+def _optional_duration(text: str) -> float | None:
+    if text.strip().lower() in ("none", "off", "never"):
+        return None
+    return admin.parse_duration(text)
+
+
 POSITIVE_INT = _argument_type(_positive_int, "positive_int")
 DURATION = _argument_type(admin.parse_duration, "duration")
+OPTIONAL_DURATION = _argument_type(_optional_duration, "duration")
+NUMBER = _argument_type(_number, "number")
+FRACTION = _argument_type(_fraction, "fraction")
 TOPICS = _argument_type(_topic_list, "topics")
+DSN = _argument_type(_dsn, "dsn")
 JSON = _argument_type(_json_value, "json")
 JSON_OBJECT = _argument_type(_json_object, "json_object")
 SCHEMA = _argument_type(lambda s: validate_identifier("schema", s), "schema")
@@ -138,6 +182,13 @@ LOG_FORMAT = choices("text", "json")
 
 # -- parser building -------------------------------------------------------------------
 class Parser(argparse.ArgumentParser):
+    """Short errors; ``--delay -5s`` reaches the argument's type instead of being taken
+    for an unknown option (no option here starts with ``-`` and a digit)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\.?\d[\d.a-z]*$")
+
     def error(self, message: str) -> NoReturn:
         """Two lines instead of the usage wall: what is wrong, and where help is."""
         self.exit(2, f"{self.prog}: error: {message}\n(see `{self.prog} --help`)\n")
@@ -153,11 +204,20 @@ def add_database_options(
 ) -> None:
     group = parser.add_argument_group("database")
     if dsn:
+        env = "AIOOUTBOX_DSN" if _env("AIOOUTBOX_DSN") else "DATABASE_URL"
         group.add_argument(
             "--dsn",
-            default=_env("AIOOUTBOX_DSN") or _env("DATABASE_URL"),
+            type=DSN,
+            default=env_default(env, DSN, None),
             help="PostgreSQL DSN, postgresql://user:password@host:port/database "
             "(env AIOOUTBOX_DSN, then DATABASE_URL; without one: the embedded server)",
+        )
+        group.add_argument(
+            "--pgbouncer",
+            action="store_true",
+            default=env_flag("AIOOUTBOX_PGBOUNCER"),
+            help="the DSN goes through PgBouncer in transaction mode: no prepared-statement "
+            "cache (env AIOOUTBOX_PGBOUNCER=1)",
         )
         group.add_argument(
             "--schema",
@@ -177,10 +237,49 @@ def add_database_options(
     group.add_argument(
         "--data-dir",
         type=Path,
-        default=_env("AIOOUTBOX_DATA_DIR", str(embedded.DEFAULT_DATA_DIR)),
-        help="data directory of the embedded server (env AIOOUTBOX_DATA_DIR; "
-        f"default ./{embedded.DEFAULT_DATA_DIR.as_posix()})",
+        default=_env("AIOOUTBOX_DATA_DIR"),
+        help="data directory of the embedded server (env AIOOUTBOX_DATA_DIR; default "
+        f"{embedded.DEFAULT_DATA_DIR.as_posix()} in the project root: the nearest directory "
+        "upward holding .aiooutbox, pyproject.toml, setup.py, setup.cfg or .git)",
     )
+
+
+def add_listen_options(parser: argparse.ArgumentParser) -> None:
+    """``--listen-dsn`` / ``--no-listen``: how a long-running command hears of new events.
+
+    LISTEN needs a session of its own, which PgBouncer in transaction mode cannot give:
+    behind it, listen on a direct DSN or poll only.
+    """
+    group = parser.add_argument_group("wake-ups")
+    which = group.add_mutually_exclusive_group()
+    which.add_argument(
+        "--listen-dsn",
+        type=DSN,
+        metavar="DSN",
+        default=env_default("AIOOUTBOX_LISTEN_DSN", DSN, None),
+        help="LISTEN on this DSN, straight to PostgreSQL, instead of one like --dsn "
+        "(env AIOOUTBOX_LISTEN_DSN)",
+    )
+    which.add_argument(
+        "--no-listen",
+        dest="listen",
+        action="store_false",
+        default=not env_flag("AIOOUTBOX_NO_LISTEN"),
+        help="no LISTEN: find new events by polling every --poll-interval "
+        "(env AIOOUTBOX_NO_LISTEN=1)",
+    )
+
+
+def check_listen_options(args: argparse.Namespace) -> None:
+    """Refuse a combination that would silently lose wake-ups; call before connecting."""
+    if args.listen_dsn is not None and not args.listen:
+        raise UsageError("--listen-dsn and --no-listen (or their env variables) contradict")
+    if args.pgbouncer and args.listen and args.listen_dsn is None:
+        raise UsageError(
+            "--pgbouncer: LISTEN does not work through PgBouncer in transaction mode "
+            "(notifications go to whichever client has the server connection); pass "
+            "--listen-dsn with a DSN straight to PostgreSQL, or --no-listen to poll"
+        )
 
 
 def add_logging_options(parser: argparse.ArgumentParser, level: str) -> None:
@@ -235,7 +334,39 @@ def _reason(exc: BaseException) -> str:
         return f"no answer within {CONNECT_TIMEOUT:g}s"
     if isinstance(exc, ConnectionRefusedError):
         return f"{exc} (is PostgreSQL running there?)"
+    if isinstance(exc, socket.gaierror):
+        return f"{exc} (is the host name spelled right?)"
     return str(exc) or type(exc).__name__
+
+
+def resolve_data_dir(args: argparse.Namespace) -> Path:
+    """``--data-dir`` as given, else the project's (`embedded.default_data_dir`)."""
+    if args.data_dir is None:
+        args.data_dir = embedded.default_data_dir()
+    path: Path = args.data_dir
+    return path
+
+
+async def ensure_embedded(args: argparse.Namespace) -> str:
+    """Start or reuse the embedded server; say loudly when this creates a new one.
+
+    A server this command started is recorded in ``args.started_embedded``, so that
+    `main` stops it again when the command fails.
+    """
+    data_dir = resolve_data_dir(args)
+    fresh = not embedded.initialised(data_dir)
+    running = embedded.status(data_dir) is not None if not fresh else False
+    dsn = await embedded.ensure(data_dir)
+    if not running:
+        args.started_embedded = data_dir
+    if fresh:
+        print(
+            f"{args.prog}: created a new embedded PostgreSQL in {data_dir.resolve()} "
+            "(none there yet; commands run anywhere in this project share it, "
+            "--data-dir or $AIOOUTBOX_DATA_DIR picks another)",
+            file=sys.stderr,
+        )
+    return dsn
 
 
 async def resolve_dsn(args: argparse.Namespace, *, log: bool = False) -> str:
@@ -243,7 +374,7 @@ async def resolve_dsn(args: argparse.Namespace, *, log: bool = False) -> str:
     if args.dsn:
         dsn: str = args.dsn
         return dsn
-    dsn = await embedded.ensure(args.data_dir)
+    dsn = await ensure_embedded(args)
     note = f"using the embedded PostgreSQL in {args.data_dir}: {dsn}"
     if log:  # a runner: say it once, with how to stop the server
         logger.info("%s (it keeps running; `%s embedded stop` stops it)", note, args.prog)
@@ -252,10 +383,17 @@ async def resolve_dsn(args: argparse.Namespace, *, log: bool = False) -> str:
     return dsn
 
 
-async def connect(dsn: str) -> Any:
+def _cache(pgbouncer: bool) -> dict[str, Any]:
+    # asyncpg names and caches prepared statements per connection; behind PgBouncer in
+    # transaction mode the next statement may run on another server connection, where
+    # that name does not exist. Without the cache it uses unnamed statements.
+    return {"statement_cache_size": 0} if pgbouncer else {}
+
+
+async def connect(dsn: str, *, pgbouncer: bool = False) -> Any:
     """One connection, or a one-line `CommandError` within `CONNECT_TIMEOUT` seconds."""
     try:
-        return await asyncpg.connect(dsn, timeout=CONNECT_TIMEOUT)
+        return await asyncpg.connect(dsn, timeout=CONNECT_TIMEOUT, **_cache(pgbouncer))
     except Exception as exc:
         raise CommandError(f"cannot connect to {redact(dsn)}: {_reason(exc)}") from None
 
@@ -263,7 +401,7 @@ async def connect(dsn: str) -> Any:
 @contextlib.asynccontextmanager
 async def database(args: argparse.Namespace, *, check: bool = True) -> AsyncIterator[Any]:
     """A connection to the configured database, its outbox schema checked."""
-    conn = await connect(await resolve_dsn(args))
+    conn = await connect(await resolve_dsn(args), pgbouncer=args.pgbouncer)
     try:
         if check:
             await check_schema(conn, schema=args.schema, table=args.table)
@@ -273,15 +411,31 @@ async def database(args: argparse.Namespace, *, check: bool = True) -> AsyncIter
             await conn.close(timeout=5)
 
 
+async def apply_migrations(
+    db: asyncpg.Connection | asyncpg.Pool, args: argparse.Namespace
+) -> list[int]:
+    """`migrate`; behind PgBouncer in one transaction, because its session advisory lock
+    and unlock must reach the same server connection (a transaction pins one)."""
+    if not args.pgbouncer:
+        return await migrate(db, schema=args.schema, table=args.table)
+    if isinstance(db, asyncpg.Pool):
+        async with db.acquire() as conn:
+            return await apply_migrations(conn, args)
+    async with db.transaction():
+        return await migrate(db, schema=args.schema, table=args.table)
+
+
 @contextlib.asynccontextmanager
-async def open_pool(dsn: str) -> AsyncIterator[asyncpg.Pool]:
+async def open_pool(dsn: str, *, pgbouncer: bool = False) -> AsyncIterator[asyncpg.Pool]:
     """A small pool, closed on exit.
 
     A consumer claims, settles and maintains on up to four connections at once; its
     LISTEN connection is its own.
     """
     try:
-        pool = await asyncpg.create_pool(dsn, min_size=1, max_size=5, timeout=CONNECT_TIMEOUT)
+        pool = await asyncpg.create_pool(
+            dsn, min_size=1, max_size=5, timeout=CONNECT_TIMEOUT, **_cache(pgbouncer)
+        )
     except Exception as exc:
         raise CommandError(f"cannot connect to {redact(dsn)}: {_reason(exc)}") from None
     try:

@@ -11,6 +11,7 @@ import collections
 import random
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -93,6 +94,7 @@ async def run_demo(
     events: int,
     concurrency: int,
     hint: str,
+    embedded_dir: Path | None = None,
 ) -> int:
     q = queries(schema, table)
     await migrate(pool, schema=schema, table=table)
@@ -154,12 +156,21 @@ async def run_demo(
         print(_output.dead_table(sample))
     steps = [
         (f"python -m aiooutbox dead retry --all{hint}", "requeue the dead events"),
-        ("python -m aiooutbox run myapp.jobs:handlers", "run your own handlers"),
+        # --migrate: the demo made only its own table, not the default outbox
+        ("python -m aiooutbox run myapp.jobs:handlers --migrate", "run your own handlers"),
     ]
+    if embedded_dir is not None:
+        steps.append(("python -m aiooutbox embedded stop", "stop the embedded PostgreSQL"))
     width = max(len(command) for command, _ in steps)
     print("\nnext:")
     for command, what in steps:
         print(f"  $ {command:<{width}}  # {what}")
+    if embedded_dir is not None:
+        print(
+            f"\nThe embedded PostgreSQL in {embedded_dir} keeps running for these commands"
+            " and your application; its DSN:\n"
+            "  $ export AIOOUTBOX_DSN=$(python -m aiooutbox embedded start)"
+        )
     return 0 if done + dead == events else 1
 
 

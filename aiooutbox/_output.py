@@ -88,6 +88,12 @@ def stats_view(report: OutboxStats, *, hint: str = "") -> str:
     if report.dead:
         dead += f" (python -m aiooutbox dead list{hint})"
     parts += [f"lag: {lag}", dead]
+    for u in report.unconsumed:
+        parts.append(
+            f"warning: {u.topic}: {u.waiting} event(s) waiting up to {age(u.lag)} and no "
+            "consumer seen handling the topic (none holds its events, none idle advertises "
+            "it): run one with a handler for it"
+        )
     return "\n".join(parts)
 
 

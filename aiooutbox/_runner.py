@@ -15,10 +15,22 @@ import traceback
 from collections.abc import Mapping
 from typing import Any
 
-from ._cliutil import CommandError, UsageError, open_pool, redact, resolve_dsn
+import asyncpg
+
+from . import _output, admin
+from ._cliutil import (
+    CommandError,
+    UsageError,
+    apply_migrations,
+    check_listen_options,
+    open_pool,
+    redact,
+    resolve_dsn,
+)
 from .consumer import OutboxConsumer
+from .errors import InvalidArgument
 from .handlers import Handler, resolve_handlers
-from .migrations import migrate
+from .retry import RetryPolicy
 
 __all__ = ["cmd_run", "load_handlers"]
 
@@ -26,8 +38,28 @@ logger = logging.getLogger("aiooutbox.cli")
 
 
 def _where(exc: BaseException) -> str:
-    frames = traceback.extract_tb(exc.__traceback__)
+    """Where it went wrong: the offending line of a syntax error, else the last frame
+    outside the import machinery."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        text = (exc.text or "").strip()
+        return f" at {exc.filename}:{exc.lineno}" + (f": {text}" if text else "")
+    frames = [
+        f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen")
+    ]
     return f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+
+
+def _import_failed(module_name: str, exc: BaseException, detail: str) -> UsageError:
+    logger.debug("importing %r failed", module_name, exc_info=exc)  # --log-level debug
+    return UsageError(f"importing {module_name!r} failed: {detail}{_where(exc)}")
+
+
+def _file_spec(module_name: str) -> str | None:
+    """``myjobs/handlers.py`` as the module name it means, ``myjobs.handlers``."""
+    if not (module_name.endswith(".py") or "/" in module_name or "\\" in module_name):
+        return None
+    path = module_name.removesuffix(".py").replace("\\", "/").strip("/")
+    return ".".join(part for part in path.split("/") if part and part != ".")
 
 
 async def load_handlers(spec: str) -> dict[str, Handler]:
@@ -35,6 +67,11 @@ async def load_handlers(spec: str) -> dict[str, Handler]:
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
         raise UsageError(f"expected MODULE:HANDLERS such as myapp.jobs:handlers, got {spec!r}")
+    dotted = _file_spec(module_name)
+    if dotted is not None:
+        raise UsageError(
+            f"{module_name!r} is a file path; name the module instead: {dotted}:{attribute}"
+        )
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())  # the console script does not add it, python -m does
     try:
@@ -46,11 +83,11 @@ async def load_handlers(spec: str) -> dict[str, Handler]:
                 f"cannot import {module_name!r}: no module named {missing!r} "
                 "(run from the directory that holds it, or set PYTHONPATH)"
             ) from None
-        raise UsageError(f"importing {module_name!r} failed: {exc}{_where(exc)}") from None
+        raise _import_failed(module_name, exc, str(exc)) from None
+    except SyntaxError as exc:
+        raise _import_failed(module_name, exc, f"{type(exc).__name__}: {exc.msg}") from None
     except Exception as exc:
-        raise UsageError(
-            f"importing {module_name!r} failed: {type(exc).__name__}: {exc}{_where(exc)}"
-        ) from None
+        raise _import_failed(module_name, exc, f"{type(exc).__name__}: {exc}") from None
     for name in attribute.split("."):
         try:
             target = getattr(target, name)
@@ -62,6 +99,7 @@ async def load_handlers(spec: str) -> dict[str, Handler]:
             if inspect.isawaitable(target):
                 target = await target
         except Exception as exc:
+            logger.debug("calling %s() failed", spec, exc_info=exc)
             raise CommandError(
                 f"calling {spec}() failed: {type(exc).__name__}: {exc}{_where(exc)}"
             ) from None
@@ -136,6 +174,22 @@ async def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError("--lease-timeout must be at least 1s")
     if args.poll_interval < 0.01:
         raise UsageError("--poll-interval must be at least 10ms")
+    if args.handler_timeout is not None and args.handler_timeout < 0.001:
+        raise UsageError("--handler-timeout must be at least 1ms (or none)")
+    if args.retention is not None and args.retention < 1:
+        raise UsageError("--retention must be at least 1s (or none, to keep done events)")
+    if args.retry_factor < 1:
+        raise UsageError(f"--retry-factor must be at least 1, got {args.retry_factor:g}")
+    try:
+        args.retry = RetryPolicy(
+            base=args.retry_base,
+            factor=args.retry_factor,
+            max_delay=args.retry_max_delay,
+            jitter=args.retry_jitter,
+        )
+    except InvalidArgument as exc:
+        raise UsageError(str(exc)) from None
+    check_listen_options(args)
     with _Signals() as signals:
         try:
             return await _serve(args, handlers, signals)
@@ -147,10 +201,11 @@ async def cmd_run(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace, handlers: dict[str, Handler], signals: _Signals) -> int:
     dsn = await resolve_dsn(args, log=True)
-    async with open_pool(dsn) as pool:
+    async with open_pool(dsn, pgbouncer=args.pgbouncer) as pool:
         if args.migrate:
-            applied = await migrate(pool, schema=args.schema, table=args.table)
+            applied = await apply_migrations(pool, args)
             logger.info("schema %s", f"migrated to {applied}" if applied else "up to date")
+        topics = sorted(args.topics or handlers)
         consumer = OutboxConsumer(
             pool,
             concurrency=args.concurrency,
@@ -159,17 +214,24 @@ async def _serve(args: argparse.Namespace, handlers: dict[str, Handler], signals
             poll_interval=args.poll_interval,
             lease_timeout=args.lease_timeout,
             shutdown_grace=args.shutdown_grace,
+            retry=args.retry,
+            handler_timeout=args.handler_timeout,
+            retention=args.retention,
+            listen=args.listen,
+            listen_dsn=args.listen_dsn,
             schema=args.schema,
             table=args.table,
         )
         async with consumer:
             signals.consumer = consumer
             logger.info(
-                "consuming %s from %s with concurrency %d",
-                ", ".join(sorted(args.topics or handlers)),
+                "consuming %s from %s with concurrency %d (%s)",
+                ", ".join(topics),
                 redact(dsn),
                 args.concurrency,
+                _settings(args),
             )
+            await _warn_unconsumed(pool, args, topics)
             try:
                 await consumer.run(handlers)
             except (Exception, SystemExit, KeyboardInterrupt) as exc:
@@ -180,3 +242,53 @@ async def _serve(args: argparse.Namespace, handlers: dict[str, Handler], signals
         "stopped: %d done, %d retried, %d dead, %d released", s.done, s.retried, s.dead, s.released
     )
     return 0
+
+
+def _settings(args: argparse.Namespace) -> str:
+    """The options a reader of the start-up line may need to know were in force."""
+    wake = (
+        f"LISTEN on {redact(args.listen_dsn)}"
+        if args.listen_dsn
+        else "LISTEN"
+        if args.listen
+        else "no LISTEN"
+    )
+    parts = [
+        f"{wake}, poll every {_output.duration(args.poll_interval)}",
+        f"handler timeout {_output.duration(args.handler_timeout)}"
+        if args.handler_timeout is not None
+        else "no handler timeout",
+        f"retry {_output.duration(args.retry.base)} x{args.retry.factor:g} up to "
+        f"{_output.duration(args.retry.max_delay)}, jitter {args.retry.jitter:g}",
+        f"retention {_output.duration(args.retention)}"
+        if args.retention is not None
+        else "done events kept forever",
+    ]
+    if args.pgbouncer:
+        parts.append("PgBouncer: no statement cache")
+    return "; ".join(parts)
+
+
+async def _warn_unconsumed(pool: Any, args: argparse.Namespace, topics: list[str]) -> None:
+    """Say so when events wait in topics that neither this runner nor any other consumer
+    in sight handles: they would otherwise sit there silently."""
+    try:
+        found = await asyncio.wait_for(
+            admin.unconsumed_topics(
+                pool, handled=topics, waited=0, schema=args.schema, table=args.table
+            ),
+            10,
+        )
+    except (OSError, asyncio.TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        logger.debug("could not look for unconsumed topics: %s", exc)
+        return
+    if found:
+        listed = ", ".join(
+            f"{u.topic} ({u.waiting} waiting, oldest {_output.age(u.lag)})" for u in found
+        )
+        logger.warning(
+            "events wait in topic(s) this runner has no handler for, and no other consumer "
+            "is seen handling: %s; they stay pending until a consumer handles them",
+            listed,
+            extra={"unconsumed": [u.topic for u in found]},
+        )

@@ -77,6 +77,12 @@ def _channel(schema: str, table: str) -> str:
     return f"aiooutbox_{digest}"
 
 
+def _fill(text: str, names: dict[str, str]) -> str:
+    for key, value in names.items():
+        text = text.replace("{{" + key + "}}", value)
+    return text
+
+
 @lru_cache(maxsize=64)
 def queries(schema: str = DEFAULT_SCHEMA, table: str = DEFAULT_TABLE) -> Queries:
     """The validated, cached statement set for one outbox."""
@@ -116,11 +122,18 @@ class Queries:
         return _channel(self.schema, self.table)
 
     def render(self, template: str) -> str:
-        """Fill a migration file's placeholders with this outbox's names."""
-        return (
-            template.replace("{{schema}}", self.schema)
-            .replace("{{table}}", self.table)
-            .replace("{{channel}}", self.channel)
+        """Fill a migration file's placeholders with this outbox's names.
+
+        In comment lines they become ``<schema>``: the files' own notes about their
+        placeholders must not come out as ``-- Placeholders: public, outbox_events``,
+        nor keep braces that a templating migration tool would trip on.
+        """
+        names = {"schema": self.schema, "table": self.table, "channel": self.channel}
+        return "".join(
+            _fill(line, {k: f"<{k}>" for k in names})
+            if line.lstrip().startswith("--")
+            else _fill(line, names)
+            for line in template.splitlines(keepends=True)
         )
 
     # -- migrations ----------------------------------------------------------------
@@ -400,7 +413,7 @@ class Queries:
             " available_at = now(), locked_by = NULL, locked_at = NULL, finished_at = NULL,"
             " updated_at = now()"
             " WHERE status = 'dead' AND ($1::bigint[] IS NULL OR id = ANY ($1::bigint[]))"
-            " AND ($2::text IS NULL OR topic = $2) RETURNING topic"
+            " AND ($2::text IS NULL OR topic = $2) RETURNING id, topic"
         )
 
     @property
@@ -411,6 +424,7 @@ class Queries:
             " AND ($2::text IS NULL OR topic = $2)"
             " AND ($3::float8 IS NULL"
             "  OR coalesce(finished_at, updated_at) < now() - make_interval(secs => $3))"
+            " RETURNING id"
         )
 
     @property
@@ -422,6 +436,34 @@ class Queries:
             f"  WHERE status = $1::text::{self.status_type}"
             "  AND coalesce(finished_at, updated_at) < now() - make_interval(secs => $2::float8)"
             "  LIMIT $3))"
+        )
+
+    # -- operator: what the command line reports beyond counts ---------------------
+    @property
+    def event_statuses(self) -> str:
+        # $1 ids: the status of those that exist (to say why a named id was not acted on)
+        return f"SELECT id, status::text FROM {self.qualified} WHERE id = ANY ($1::bigint[])"
+
+    @property
+    def unconsumed_topics(self) -> str:
+        # $1 topics handled by the caller (or NULL), $2 minimum wait in seconds.
+        # Topics with events claimable now that no consumer seems to handle: none of
+        # their rows is processing, and no idle consumer advertises the topic. Run once
+        # by `run` at start-up and by `stats`; it reads the claimable rows once.
+        return (
+            "SELECT w.topic, w.waiting, w.lag FROM ("
+            "  SELECT topic, count(*) AS waiting,"
+            "   extract(epoch FROM (now() - min(available_at)))::float8 AS lag"
+            f"  FROM {self.qualified}"
+            "  WHERE status IN ('pending', 'retry') AND available_at <= now()"
+            "  GROUP BY topic) AS w"
+            " WHERE w.lag >= $2::float8"
+            " AND NOT (w.topic = ANY (coalesce($1::text[], '{}')))"
+            f" AND NOT EXISTS (SELECT 1 FROM {self.qualified} AS p"
+            "  WHERE p.status = 'processing' AND p.topic = w.topic)"
+            f" AND NOT EXISTS (SELECT 1 FROM {self.idle_table} AS i"
+            "  WHERE i.expires_at > now() AND w.topic = ANY (i.topics))"
+            " ORDER BY w.topic"
         )
 
     # server-wide, for bootstrapping the embedded server's database

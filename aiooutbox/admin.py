@@ -36,17 +36,25 @@ __all__ = [
     "DeadEvent",
     "OutboxStats",
     "TopicStats",
+    "UnconsumedTopic",
     "WorkerStats",
     "dead_list",
     "dead_purge",
     "dead_retry",
+    "delete_dead",
+    "event_statuses",
     "parse_duration",
     "purge",
+    "requeue_dead",
     "stats",
+    "unconsumed_topics",
 ]
 
 STATUSES = ("pending", "retry", "processing", "done", "dead")
 PURGEABLE = ("done", "dead")
+# `stats` names a topic as unconsumed once its oldest claimable event waited this long
+# with no consumer in sight (a poll-only consumer advertises nothing while idle)
+UNCONSUMED_AFTER = 60.0
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 _NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)"
@@ -57,16 +65,19 @@ _DURATION = re.compile(rf"(?:{_NUMBER}(?:ms|s|m|h|d|w))+")
 def parse_duration(text: str) -> float:
     """Seconds in ``"30s"``, ``"15m"``, ``"12h"``, ``"7d"``, ``"1w"``, ``"1h30m"``, ``"500ms"``.
 
-    A bare number is seconds. Raises `InvalidArgument` for anything else, negative
-    values included.
+    A bare number is seconds (``"90"``). Raises `InvalidArgument` for anything else,
+    saying so when the only fault is a minus sign.
     """
     spec = text.strip().lower().replace(" ", "")
     if re.fullmatch(_NUMBER, spec):
         return float(spec)
     if _DURATION.fullmatch(spec):
         return sum(float(number) * _UNITS[unit] for number, unit in _PART.findall(spec))
+    if spec.startswith("-") and (re.fullmatch(_NUMBER, spec[1:]) or _DURATION.fullmatch(spec[1:])):
+        raise InvalidArgument(f"invalid duration {text!r}: must not be negative")
     raise InvalidArgument(
-        f"invalid duration {text!r}: use a number with a unit, e.g. 30s, 15m, 12h, 7d or 1h30m"
+        f"invalid duration {text!r}: use seconds (90) or a number with a unit: "
+        "500ms, 30s, 15m, 12h, 7d, 1w or 1h30m"
     )
 
 
@@ -135,12 +146,26 @@ class WorkerStats:
 
 
 @dataclass(frozen=True)
+class UnconsumedTopic:
+    """A topic whose events wait while no consumer seems to handle it.
+
+    No row of it is being processed and no idle consumer advertises it: either no
+    running consumer has a handler for it, or they are all too busy to claim it.
+    """
+
+    topic: str
+    waiting: int
+    lag: float
+
+
+@dataclass(frozen=True)
 class OutboxStats:
     """A snapshot of one outbox table, as ``python -m aiooutbox stats`` shows it."""
 
     outbox: str
     topics: list[TopicStats] = field(default_factory=list)
     in_flight: list[WorkerStats] = field(default_factory=list)
+    unconsumed: list[UnconsumedTopic] = field(default_factory=list)
 
     @property
     def totals(self) -> dict[str, int]:
@@ -168,6 +193,10 @@ class OutboxStats:
             "in_flight": [
                 {"worker": w.worker, "rows": w.rows, "oldest_claim_age_seconds": w.oldest_claim_age}
                 for w in self.in_flight
+            ],
+            "unconsumed": [
+                {"topic": u.topic, "waiting": u.waiting, "lag_seconds": u.lag}
+                for u in self.unconsumed
             ],
         }
 
@@ -212,6 +241,7 @@ async def stats(
         counts = await conn.fetch(q.stats_by_topic)
         lags = {r[0]: r[1] for r in await conn.fetch(q.oldest_claimable)}
         workers = await conn.fetch(q.in_flight_by_worker)
+        unconsumed = await unconsumed_topics(conn, schema=schema, table=table)
     by_topic: dict[str, dict[str, int]] = {}
     for topic, status, count in counts:
         by_topic.setdefault(topic, dict.fromkeys(STATUSES, 0))[status] = count
@@ -219,7 +249,39 @@ async def stats(
         outbox=f"{q.schema}.{q.table}",
         topics=[TopicStats(t, c, lags.get(t)) for t, c in sorted(by_topic.items())],
         in_flight=[WorkerStats(w or "?", n, age or 0.0) for w, n, age in workers],
+        unconsumed=unconsumed,
     )
+
+
+async def unconsumed_topics(
+    db: asyncpg.Connection | asyncpg.Pool,
+    *,
+    handled: Collection[str] | None = None,
+    waited: float = UNCONSUMED_AFTER,
+    schema: str = DEFAULT_SCHEMA,
+    table: str = DEFAULT_TABLE,
+) -> list[UnconsumedTopic]:
+    """Topics, other than ``handled``, whose oldest claimable event has waited at least
+    ``waited`` seconds with no consumer in sight (see `UnconsumedTopic`)."""
+    q = queries(schema, table)
+    topics = None if handled is None else sorted(handled)
+    async with _connection(db) as conn:
+        rows = await conn.fetch(q.unconsumed_topics, topics, _seconds("waited", waited))
+    return [UnconsumedTopic(r[0], r[1], r[2]) for r in rows]
+
+
+async def event_statuses(
+    db: asyncpg.Connection | asyncpg.Pool,
+    ids: Collection[int],
+    *,
+    schema: str = DEFAULT_SCHEMA,
+    table: str = DEFAULT_TABLE,
+) -> dict[int, str]:
+    """The status of each of ``ids`` that exists."""
+    checked = _ids(ids) or []
+    q = queries(schema, table)
+    async with _connection(db) as conn:
+        return {r[0]: r[1] for r in await conn.fetch(q.event_statuses, checked)}
 
 
 async def dead_list(
@@ -269,15 +331,31 @@ async def dead_retry(
     the affected topics are woken by one notification per topic when this commits (it
     joins the caller's transaction on a connection).
     """
+    rows = await requeue_dead(
+        db, ids=ids, topic=topic, everything=everything, schema=schema, table=table
+    )
+    return dict(sorted(Counter(topic for _, topic in rows).items()))
+
+
+async def requeue_dead(
+    db: asyncpg.Connection | asyncpg.Pool,
+    *,
+    ids: Collection[int] | None = None,
+    topic: str | None = None,
+    everything: bool = False,
+    schema: str = DEFAULT_SCHEMA,
+    table: str = DEFAULT_TABLE,
+) -> list[tuple[int, str]]:
+    """`dead_retry`, returning ``(id, topic)`` of each requeued event, so a caller can
+    tell which of the ids it named were not dead."""
     checked = _ids(ids)
     _selection(checked, topic, everything, "retry")
     q = queries(schema, table)
     async with _connection(db) as conn, conn.transaction():
-        rows = await conn.fetch(q.dead_retry, checked, topic)
-        requeued = Counter(r[0] for r in rows)
-        if requeued:
-            await conn.execute(q.notify, q.channel, sorted(requeued))
-    return dict(sorted(requeued.items()))
+        rows = [(r[0], r[1]) for r in await conn.fetch(q.dead_retry, checked, topic)]
+        if rows:
+            await conn.execute(q.notify, q.channel, sorted({t for _, t in rows}))
+    return sorted(rows)
 
 
 async def dead_purge(
@@ -295,13 +373,35 @@ async def dead_purge(
     Choose exactly one of ``ids``, ``topic`` or ``everything=True``; ``older_than`` keeps
     those that died more recently.
     """
+    deleted = await delete_dead(
+        db,
+        ids=ids,
+        topic=topic,
+        everything=everything,
+        older_than=older_than,
+        schema=schema,
+        table=table,
+    )
+    return len(deleted)
+
+
+async def delete_dead(
+    db: asyncpg.Connection | asyncpg.Pool,
+    *,
+    ids: Collection[int] | None = None,
+    topic: str | None = None,
+    everything: bool = False,
+    older_than: float | timedelta | None = None,
+    schema: str = DEFAULT_SCHEMA,
+    table: str = DEFAULT_TABLE,
+) -> list[int]:
+    """`dead_purge`, returning the ids it deleted."""
     checked = _ids(ids)
     _selection(checked, topic, everything, "purge")
     age = None if older_than is None else _seconds("older_than", older_than)
     q = queries(schema, table)
     async with _connection(db) as conn:
-        status: str = await conn.execute(q.dead_purge, checked, topic, age)
-    return int(status.rsplit(" ", 1)[-1])
+        return sorted(r[0] for r in await conn.fetch(q.dead_purge, checked, topic, age))
 
 
 async def purge(

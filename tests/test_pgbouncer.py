@@ -1,0 +1,220 @@
+"""Behind a real PgBouncer in transaction mode (issue 17, item 1): migrate, producers and
+the CLI runner, with LISTEN on a direct DSN or none at all; nothing lost, nothing warned.
+
+The test starts its own PgBouncer (Debian's package; ``.ci/run`` installs it) on a free
+port in front of the test server, and stops it at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit, urlunsplit
+
+import asyncpg
+import pytest
+
+import aiooutbox
+from tests.clirunner import Runner, clean_env, cli
+from tests.helpers import status_counts, wait_until
+
+PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
+HANDLERS = "tests.cli_handlers:handlers"
+QUICK = (HANDLERS, "--topics", "quick")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _backend(dsn: str) -> tuple[str, int]:
+    """Host (or unix socket directory) and port of the server a DSN points at."""
+    parts = urlsplit(dsn)
+    query = parse_qs(parts.query)
+    host = query.get("host", [parts.hostname or "127.0.0.1"])[0]
+    port = int(query.get("port", [parts.port or 5432])[0])
+    return host, port
+
+
+def _run_as(host: str) -> str | None:
+    """PgBouncer refuses to run as root: as root, run it as the owner of the server's
+    socket directory (so it may connect there), else as ``postgres``."""
+    if os.geteuid() != 0:
+        return None
+    if host.startswith("/"):
+        return pwd.getpwuid(os.stat(host).st_uid).pw_name
+    return "postgres"
+
+
+@pytest.fixture(scope="module")
+def bouncer(pg_server: str) -> Iterator[int]:
+    """Port of a private PgBouncer in transaction mode in front of the test server."""
+    host, port = _backend(pg_server)
+    listen = _free_port()
+    user = urlsplit(pg_server).username or "postgres"
+    workdir = Path(tempfile.mkdtemp(prefix="aiooutbox-pgbouncer-"))
+    (workdir / "userlist.txt").write_text(f'"{user}" ""\n')
+    (workdir / "pgbouncer.ini").write_text(
+        f"""[databases]
+* = host={host} port={port}
+
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = {listen}
+unix_socket_dir =
+auth_type = trust
+auth_file = {workdir / "userlist.txt"}
+pool_mode = transaction
+default_pool_size = 8
+max_client_conn = 200
+ignore_startup_parameters = extra_float_digits
+logfile = {workdir / "pgbouncer.log"}
+pidfile = {workdir / "pgbouncer.pid"}
+"""
+    )
+    run_as = _run_as(host)
+    command = [PGBOUNCER, *(["-u", run_as] if run_as else []), str(workdir / "pgbouncer.ini")]
+    if run_as:
+        entry = pwd.getpwnam(run_as)
+        os.chown(workdir, entry.pw_uid, entry.pw_gid)
+    output = workdir / "output.log"
+    with output.open("wb") as sink:
+        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", listen)) == 0:
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log = workdir / "pgbouncer.log"
+                raise RuntimeError(
+                    f"pgbouncer did not start: {output.read_text()}\n"
+                    f"{log.read_text() if log.exists() else ''}"
+                )
+            time.sleep(0.05)
+        yield listen
+    finally:
+        proc.send_signal(signal.SIGINT)  # safe shutdown
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _through(dsn: str, port: int) -> str:
+    """The same database and user, through PgBouncer."""
+    parts = urlsplit(dsn)
+    user = parts.username or "postgres"
+    return urlunsplit(("postgresql", f"{user}@127.0.0.1:{port}", parts.path, "", ""))
+
+
+@pytest.fixture
+async def bounced(empty_dsn: str, bouncer: int) -> tuple[str, str]:
+    """(direct DSN, DSN through PgBouncer) of a fresh database without the schema."""
+    return empty_dsn, _through(empty_dsn, bouncer)
+
+
+def _warnings(lines: list[str]) -> list[str]:
+    return [line for line in lines if " WARNING " in line or " ERROR " in line]
+
+
+async def _produce(dsn: str, producers: int, each: int, tag: str) -> None:
+    """``producers`` tasks at once, each enqueueing ``each`` events one by one and then
+    ``each`` in one batch, through a pool without a statement cache."""
+    async with asyncpg.create_pool(dsn, min_size=2, max_size=8, statement_cache_size=0) as pool:
+
+        async def one(n: int) -> None:
+            for i in range(each):
+                async with pool.acquire() as conn, conn.transaction():
+                    await aiooutbox.enqueue(conn, "quick", {"p": n, "i": i, "tag": tag})
+            await aiooutbox.enqueue_many(
+                pool,
+                [aiooutbox.NewEvent("quick", {"p": n, "b": i, "tag": tag}) for i in range(each)],
+            )
+
+        await asyncio.gather(*(one(n) for n in range(producers)))
+
+
+@pytest.mark.timeout(240)
+async def test_migrate_produce_and_run_through_pgbouncer(bounced: tuple[str, str]) -> None:
+    direct, bouncer = bounced
+    env = clean_env()
+
+    first = await cli("migrate", "--dsn", bouncer, "--pgbouncer", env=env)
+    assert first.rc == 0 and "applied migration(s) [1, 2]" in first.out, first
+    again = await cli("migrate", "--dsn", bouncer, env=clean_env(AIOOUTBOX_PGBOUNCER="1"))
+    assert again.rc == 0 and "is up to date" in again.out, again
+
+    refused = await cli("run", HANDLERS, "--dsn", bouncer, "--pgbouncer", env=env)
+    assert refused.rc == 2 and "--listen-dsn" in refused.err and "--no-listen" in refused.err
+    both = await cli("run", HANDLERS, "--no-listen", "--listen-dsn", direct, "--dsn", bouncer)
+    assert both.rc == 2 and "not allowed with argument" in both.err, both.err
+
+    conn = await asyncpg.connect(direct)
+    try:
+        # 8 producers through PgBouncer while the runner consumes through it, LISTEN direct
+        await _produce(bouncer, producers=8, each=25, tag="before")
+        args = ["--dsn", bouncer, "--pgbouncer", "--listen-dsn", direct, "--concurrency", "16"]
+        async with Runner(*QUICK, *args, "--poll-interval", "120s", env=env) as r:
+            line = await r.wait_for_line(r"consuming quick.*\((.*)\)")
+            assert "LISTEN on postgresql://" in line[1] and "no statement cache" in line[1]
+            await wait_until(lambda: _all_done(conn, 400), timeout=60)
+            # the runner is idle now; with a 120 s poll only its direct LISTEN wakes it
+            await _produce(bouncer, producers=8, each=5, tag="woken")
+            enqueued = await cli("enqueue", "quick", "{}", "--dsn", bouncer, "--pgbouncer")
+            assert enqueued.rc == 0, enqueued.err
+            await wait_until(lambda: _all_done(conn, 481), timeout=60)
+            r.signal(signal.SIGTERM)
+            assert await r.wait() == 0, r.stderr
+        assert _warnings(r.lines) == [], r.stderr
+
+        # poll only, configured from the environment
+        await _produce(bouncer, producers=8, each=10, tag="polled")
+        poll_env = clean_env(
+            AIOOUTBOX_DSN=bouncer, AIOOUTBOX_PGBOUNCER="1", AIOOUTBOX_NO_LISTEN="1"
+        )
+        async with Runner(*QUICK, "--poll-interval", "0.2", env=poll_env) as r:
+            line = await r.wait_for_line(r"consuming quick.*\((.*)\)")
+            assert "no LISTEN, poll every 0.2s" in line[1], line[0]
+            await wait_until(lambda: _all_done(conn, 641), timeout=60)
+            r.signal(signal.SIGTERM)
+            assert await r.wait() == 0, r.stderr
+        assert _warnings(r.lines) == [], r.stderr
+
+        stats = await cli("stats", "--json", env=poll_env)
+        assert stats.rc == 0, stats.err
+        assert json.loads(stats.out)["totals"]["done"] == 641
+        # nothing lost, nothing run twice
+        assert await status_counts(conn) == {"done": 641}
+        assert await conn.fetchval("SELECT max(attempts) FROM outbox_events") == 1
+        tags = await conn.fetch(
+            "SELECT payload->>'tag', count(*) FROM outbox_events GROUP BY 1 ORDER BY 1"
+        )
+        assert [tuple(t) for t in tags] == [
+            ("before", 400),
+            ("polled", 160),
+            ("woken", 80),
+            (None, 1),
+        ]
+    finally:
+        await conn.close()
+
+
+async def _all_done(conn: asyncpg.Connection, total: int) -> bool:
+    return await status_counts(conn) == {"done": total}
