@@ -66,7 +66,7 @@ def test_the_wheel_metadata(wheel: Path) -> None:
         meta = email.message_from_bytes(zf.read(meta_name))
     assert meta["Name"] == "aiooutbox"
     assert meta["Version"] == aiooutbox.__version__
-    assert meta["Requires-Python"] == ">=3.10"
+    assert meta["Requires-Python"] == ">=3.11"
     core = [r for r in meta.get_all("Requires-Dist") or [] if "extra ==" not in r]
     core_names = {r.split(";")[0].split(">")[0].split("=")[0].split("<")[0].strip() for r in core}
     assert {"asyncpg", "anyio"} <= core_names
