@@ -38,7 +38,8 @@ SYNC_ACCEPTED = (
 )
 _LIBRARIES = ("sqlalchemy", "psycopg", "psycopg2", "django")
 # undefined_table, invalid_schema_name: the outbox was never migrated into this database
-_SCHEMA_MISSING = frozenset({"42P01", "3F000"})
+# the table or schema is missing, or older than this library (a column it inserts)
+_SCHEMA_MISSING = frozenset({"42P01", "3F000", "42703"})
 
 
 def _library(conn: object) -> str | None:
@@ -74,11 +75,14 @@ def _sqlstate(exc: BaseException) -> str | None:
 
 
 def _translate(exc: Exception, q: Queries) -> None:
-    """Raise `SchemaNotReady` (with the fix) if ``exc`` says the outbox table is missing."""
-    if _sqlstate(exc) in _SCHEMA_MISSING:
-        from .migrations import schema_missing_message
+    """Raise `SchemaNotReady` (with the fix) if ``exc`` says the outbox table is missing
+    or behind this library."""
+    state = _sqlstate(exc)
+    if state in _SCHEMA_MISSING:
+        from .migrations import schema_behind_message, schema_missing_message
 
-        raise SchemaNotReady(schema_missing_message(q)) from exc
+        message = schema_behind_message(q) if state == "42703" else schema_missing_message(q)
+        raise SchemaNotReady(message) from exc
 
 
 # -- async ---------------------------------------------------------------------------------

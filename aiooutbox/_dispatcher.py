@@ -44,6 +44,24 @@ _FULL_CLAIM_SHARE = 0.05
 # trail the oldest claimed row: producers commit out of their now() order (see
 # docs/benchmarks.md, "watermark lag")
 _WATERMARK_LAG = timedelta(milliseconds=10)
+# the most events of one ordered key a claim takes behind its head
+_MAX_RUN = 256
+
+
+def runs_of(rows: list[ClaimedRow]) -> list[list[ClaimedRow]]:
+    """Claimed rows as units of work: an unordered row alone, an ordered key's head
+    followed by the waiting events claimed behind it, in id order."""
+    runs: list[list[ClaimedRow]] = []
+    keyed: dict[str, list[ClaimedRow]] = {}
+    for row in rows:
+        if row.ordering_key is None:
+            runs.append([row])
+        else:
+            keyed.setdefault(row.ordering_key, []).append(row)
+    for members in keyed.values():
+        members.sort(key=lambda r: (not r.is_head, r.id))
+        runs.append(members)
+    return runs
 
 
 class ClaimWindow:
@@ -161,7 +179,7 @@ class Dispatcher:
     def _listening(self) -> bool:
         return self._listener is not None and self._listener.connected
 
-    async def run(self, handoff: Handoff[ClaimedRow]) -> None:
+    async def run(self, handoff: Handoff[list[ClaimedRow]]) -> None:
         o, s, signals = self._o, self._stats, self._signals
         backoff = 0.05
         linger = 0
@@ -260,6 +278,8 @@ class Dispatcher:
             self._topics,
             want,
             self._o.max_claim_bytes,
+            # an ordered key's events behind its head, run in order by one worker
+            min(want, _MAX_RUN),
         )
         sql = self._q.claim
         if not full:
@@ -306,23 +326,22 @@ class Dispatcher:
                 extra={"event_ids": [r[0] for r in released][:1000]},
             )
 
-    def _hand_out(self, rows: list[ClaimedRow], handoff: Handoff[ClaimedRow]) -> None:
+    def _hand_out(self, rows: list[ClaimedRow], handoff: Handoff[list[ClaimedRow]]) -> None:
         self._stats.claimed += len(rows)
         self._stats.in_flight += len(rows)
         for row in rows:
             self._leases.hold(row.id, row.attempts)
-            handoff.put(row)
+        for run in runs_of(rows):
+            handoff.put(run)
 
     async def _idle_timeout(self) -> float:
         """Jittered poll interval, shortened to when the next delayed event becomes due."""
         timeout = self._o.poll_interval * random.uniform(0.8, 1.2)
         try:
+            args: tuple[Any, ...] = () if self._topics is None else (self._topics,)
+            sql = self._q.next_available_any if self._topics is None else self._q.next_available
             due: float | None = await bounded(
-                self._pool,
-                "fetchval",
-                self._q.next_available,
-                self._topics,
-                timeout=self._o.statement_timeout,
+                self._pool, "fetchval", sql, *args, timeout=self._o.statement_timeout
             )
         except TRANSIENT_ERRORS as exc:
             check_permanent(exc, "looking for delayed events")

@@ -89,19 +89,48 @@ class Executor:
         self._on_fatal = on_fatal
         self._observers = observers
 
-    async def execute(self, row: ClaimedRow) -> None:
+    async def execute_run(self, run: list[ClaimedRow]) -> None:
+        """Run one event, or an ordered key's run of events one after another.
+
+        The run stops at the first event that is not finished for good (a retry, a
+        release, a dead event of a key that blocks): its later events were never
+        started and go back to waiting, so the key resumes from there, in order.
+        """
+        for i, row in enumerate(run):
+            try:
+                outcome = await self.execute(row)
+            except BaseException:
+                self.give_back(run[i + 1 :])
+                raise
+            if outcome not in ("done", "dead") and i + 1 < len(run):
+                self.give_back(run[i + 1 :])
+                return
+
+    def give_back(self, rows: list[ClaimedRow]) -> None:
+        """Rows claimed behind a head that will not run now: back to waiting."""
+        for row in rows:
+            self._settler.record(Settlement(row.id, row.attempts, Outcome.UNRUN))
+            self._finish(row)
+
+    def _finish(self, row: ClaimedRow) -> None:
+        self._leases.finish(row.id, row.attempts)
+        self._stats.in_flight -= 1
+        self._on_finished()
+
+    async def execute(self, row: ClaimedRow) -> str:
+        """Run ``row``'s handler; return the outcome (done, retry, dead, released, ...)."""
+        outcome = "released"
         try:
             if self._is_stopping():
                 self.release(row)
-                return
+                return outcome
             event = await self._event(row)
             if event is None:
-                return
-            await self._run(row, event)
+                return "retry"
+            outcome = await self._run(row, event)
+            return outcome
         finally:
-            self._leases.finish(row.id, row.attempts)
-            self._stats.in_flight -= 1
-            self._on_finished()
+            self._finish(row)
 
     async def _event(self, row: ClaimedRow) -> Event | None:
         try:
@@ -130,9 +159,10 @@ class Executor:
             row.max_attempts,
             row.created_at,
             row.message_id,
+            row.ordering_key,
         )
 
-    async def _run(self, row: ClaimedRow, event: Event) -> None:
+    async def _run(self, row: ClaimedRow, event: Event) -> str:
         handler = self._handlers.get(row.topic) or self._handlers[ALL_TOPICS]
         timeout = handler.timeout if handler.timeout is not None else self._handler_timeout
         observers = self._observers
@@ -182,7 +212,9 @@ class Executor:
         finally:
             if observers:
                 seconds = time.perf_counter() - started
-                observers.handler_finished(event, token, outcome, seconds, error)
+                shown = "dead" if outcome == "dead_block" else outcome
+                observers.handler_finished(event, token, shown, seconds, error)
+        return outcome
 
     def release(self, row: ClaimedRow) -> None:
         """Back to retry at once: the consumer stopped before the handler finished."""
@@ -213,6 +245,9 @@ class Executor:
             policy = (handler.retry if handler is not None else None) or self._retry
             delay = policy.delay(row.attempts)
         dead = outcome is Outcome.DEAD or row.attempts >= row.max_attempts
+        if handler is None:
+            handler = self._handlers.get(row.topic) or self._handlers.get(ALL_TOPICS)
+        blocks = row.ordering_key is not None and handler is not None and handler.on_dead == "block"
         if dead:
             self._stats.dead += 1
         else:
@@ -224,6 +259,7 @@ class Executor:
         summary = safe_text(f"{type(exc).__name__}: {exc}", 500)
         then = (
             f"dead after {row.attempts}/{row.max_attempts} attempts"
+            + (f"; key {row.ordering_key!r} stays blocked" if blocks else "")
             if dead
             else f"retry in {delay:.1f}s"
         )
@@ -248,8 +284,8 @@ class Executor:
                 then,
                 extra=extra,
             )
-        self._settler.record(Settlement(row.id, row.attempts, outcome, delay, error))
-        name = "dead" if dead else "retry"
+        self._settler.record(Settlement(row.id, row.attempts, outcome, delay, error, blocks))
         if self._observers:
-            self._observers.settled(row.topic, name)
-        return name
+            self._observers.settled(row.topic, "dead" if dead else "retry")
+        # a dead event of a key that blocks stops its run, as a retry does
+        return ("dead_block" if blocks else "dead") if dead else "retry"

@@ -18,7 +18,7 @@ import asyncpg
 from ._sql import Queries
 from .errors import OutboxError
 
-__all__ = ["hot_path_plans"]
+__all__ = ["hot_path_plans", "nested_plans"]
 
 _WORKER = "aiooutbox-plans"
 _BYTES = 1 << 40
@@ -37,6 +37,33 @@ async def hot_path_plans(
     The statements run in a transaction that is rolled back, so nothing changes.
     ``generic`` forces generic plans (what a consumer's connection settles on after a
     few calls); ``generic=False`` leaves the connection's plan cache as it is.
+    """
+    epoch = datetime(1970, 1, 1, tzinfo=UTC)
+    return await nested_plans(
+        conn,
+        q,
+        [
+            ("claim", q.claim, (_WORKER, 30.0, topics, 100, _BYTES, 100)),
+            ("claim_after", q.claim_after, (_WORKER, 30.0, topics, 100, _BYTES, 100, epoch, 0)),
+            ("settle_done", q.settle_done, ([0], _WORKER, 1)),
+            ("settle_failed", q.settle_failed, ([0], [0.0], ["plans"], ["retry"], _WORKER, 1)),
+        ],
+        analyze=analyze,
+        generic=generic,
+    )
+
+
+async def nested_plans(
+    conn: asyncpg.Connection,
+    q: Queries,
+    statements: list[tuple[str, str, tuple[Any, ...]]],
+    *,
+    analyze: bool = False,
+    generic: bool = True,
+) -> dict[str, str]:
+    """The plans of the statements each of ``statements`` ran on the outbox table.
+
+    ``(name, sql, args)`` each; run in a transaction that is rolled back.
     """
     try:
         await conn.execute("LOAD 'auto_explain'")
@@ -61,17 +88,6 @@ async def hot_path_plans(
         )
         if generic:
             await conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
-        epoch = datetime(1970, 1, 1, tzinfo=UTC)
-        statements: list[tuple[str, str, tuple[Any, ...]]] = [
-            ("claim", q.claim, (_WORKER, 30.0, topics, 100, _BYTES)),
-            ("claim_after", q.claim_after, (_WORKER, 30.0, topics, 100, _BYTES, epoch, 0)),
-            ("settle_done", q.settle_done, ([0], _WORKER, 1)),
-            (
-                "settle_failed",
-                q.settle_failed,
-                ([0], [0.0], ["plans"], [False], [False], _WORKER, 1),
-            ),
-        ]
         for name, sql, args in statements:
             messages.clear()
             await conn.fetch(sql, *args)
@@ -87,7 +103,7 @@ async def hot_path_plans(
                 for m in messages
                 if "Query Text:" in m and q.qualified in m and f"Query Text: {sql}" not in m
             ]
-            if not any("Query Text: UPDATE" in m for m in inner):
+            if not inner:
                 raise OutboxError(f"auto_explain reported no plan for {name}")
             plans[name] = "\n".join(m.split("\n", 1)[1] for m in inner)
     finally:

@@ -41,6 +41,7 @@ class Outcome(enum.Enum):
     RETRY = "retry"  # the handler failed: retry after a delay, or dead if out of attempts
     DEAD = "dead"  # dead now, whatever attempts remain (`Dead`, an undecodable row)
     RELEASED = "released"  # the consumer stopped first: back to retry, never to dead
+    UNRUN = "unrun"  # a run member that never started: back to waiting, attempt given back
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,14 @@ class Settlement:
     outcome: Outcome
     delay: float = 0.0
     error: str = ""
+    blocks_key: bool = False  # dead keeps an ordered event's key blocked (on_dead="block")
+
+    @property
+    def code(self) -> str:
+        """The outcome as the settle function spells it (migration 0005)."""
+        if self.outcome in (Outcome.RETRY, Outcome.DEAD) and self.blocks_key:
+            return f"{self.outcome.value}_block"
+        return self.outcome.value
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +73,8 @@ class ClaimedRow:
     created_at: datetime
     available_at: datetime
     message_id: str
+    ordering_key: str | None = None
+    is_head: bool = True  # False: a waiting event claimed behind its key's head
 
     @classmethod
     def from_record(cls, record: Any) -> ClaimedRow:
@@ -78,6 +89,8 @@ class ClaimedRow:
             aware(record["created_at"]),
             aware(record["available_at"]),
             record["message_id"],
+            record["ordering_key"],
+            record["is_head"],
         )
 
     @property

@@ -279,7 +279,7 @@ async def _warn_unconsumed(pool: Any, args: argparse.Namespace, topics: list[str
             ),
             10,
         )
-    except (OSError, asyncio.TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+    except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         logger.debug("could not look for unconsumed topics: %s", exc)
         return
     if found:

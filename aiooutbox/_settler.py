@@ -12,8 +12,10 @@ by its deadline even while a background flush is retrying.
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import anyio
@@ -28,6 +30,7 @@ __all__ = ["Settler"]
 logger = logging.getLogger("aiooutbox.settler")
 
 _SHOWN_IDS = 20  # ids named in a log line about outcomes that could not be written
+_PROMOTE_RETRY = 0.05  # seconds before trying again a key whose promotion was deferred
 _PLACEHOLDER = "(the error text of this attempt could not be stored: {})"
 
 
@@ -57,6 +60,7 @@ class Settler:
         flush_interval: float,
         flush_size: int,
         statement_timeout: float,
+        on_promoted: Callable[[], None] = lambda: None,
     ) -> None:
         self._pool = pool
         self._q = queries
@@ -70,6 +74,10 @@ class Settler:
         self._flush_lock = anyio.Lock()
         self._deadline: float | None = None  # set by close(): every flush gives up then
         self._writing = _Batch()  # the batch a flush is writing now
+        self._on_promoted = on_promoted
+        self._promote_later: set[str] = set()  # keys a producer held locked (see 0005)
+        self._promoting: set[str] = set()
+        self.promoted = 0  # waiting ordered events promoted to their key's head
         self.fenced = 0  # outcomes ignored because the lease had moved on
         self.abandoned = 0  # outcomes given up at shutdown (their leases will expire)
 
@@ -99,7 +107,8 @@ class Settler:
     async def run(self) -> None:
         """Flush forever; cancel to stop, then call `close` for the final flush."""
         while True:
-            await self._has_work.wait()
+            with anyio.move_on_after(_PROMOTE_RETRY if self._promote_later else math.inf):
+                await self._has_work.wait()
             self._has_work = anyio.Event()
             if self._pending.size < self._flush_size:
                 # let a few more outcomes join this batch
@@ -126,7 +135,9 @@ class Settler:
 
     async def _flush_locked(self) -> None:
         delay = 0.05
-        while self._pending:
+        promote = bool(self._promote_later)  # deferred promotions ride along once
+        while self._pending or promote:
+            promote = False
             batch, self._pending = self._pending, _Batch()
             self._writing = batch
             try:
@@ -190,6 +201,10 @@ class Settler:
             self._failed_statement(attempts, failures)
             for attempts, failures in batch.failed.items()
         ]
+        if self._promote_later:
+            # keys whose promotion a producer's lock deferred earlier: try them again
+            self._promoting = set(self._promote_later)
+            statements.append((self._q.promote, (sorted(self._promoting),), -1))
         return statements
 
     def _failed_statement(
@@ -201,8 +216,7 @@ class Settler:
                 [f.id for f in failures],
                 [f.delay for f in failures],
                 [f.error for f in failures],
-                [f.outcome is Outcome.DEAD for f in failures],
-                [f.outcome is Outcome.RELEASED for f in failures],
+                [f.code for f in failures],
                 self._worker_id,
                 attempts,
             ),
@@ -220,22 +234,33 @@ class Settler:
                 # a refused value: never retry the batch as a whole (it would fail forever)
                 await self._write_apart(conn, batch, exc)
                 return
-        for (_, _, expected), updated in zip(statements, results, strict=True):
-            self._count_fenced(updated, expected)
+        for (_, _, expected), result in zip(statements, results, strict=True):
+            self._absorb(result, expected)
 
     async def _execute(
         self, conn: asyncpg.Connection, statements: list[tuple[str, tuple[object, ...], int]]
-    ) -> list[int]:
+    ) -> list[asyncpg.Record]:
         # one statement needs no explicit transaction (and saves two round trips);
         # several are applied together so a retried flush never half-repeats
         if len(statements) == 1:
             sql, args, _ = statements[0]
-            return [await conn.fetchval(sql, *args, timeout=self._timeout)]
+            return [await conn.fetchrow(sql, *args, timeout=self._timeout)]
         async with conn.transaction():
             return [
-                await conn.fetchval(sql, *args, timeout=self._timeout)
+                await conn.fetchrow(sql, *args, timeout=self._timeout)
                 for sql, args, _ in statements
             ]
+
+    def _absorb(self, result: asyncpg.Record, expected: int) -> None:
+        """Count fenced outcomes; keep keys whose promotion a producer's lock deferred."""
+        if expected >= 0:
+            self._count_fenced(result["settled"], expected)
+        self._promote_later.difference_update(self._promoting)
+        self._promoting = set()
+        self._promote_later.update(result["skipped"] or ())
+        if result["promoted"]:
+            self.promoted += result["promoted"]
+            self._on_promoted()
 
     async def _write_apart(
         self, conn: asyncpg.Connection, batch: _Batch, first: asyncpg.PostgresError
@@ -248,7 +273,7 @@ class Settler:
         )
         for attempts, ids in batch.done.items():
             statement = (self._q.settle_done, (ids, self._worker_id, attempts), len(ids))
-            self._count_fenced((await self._execute(conn, [statement]))[0], len(ids))
+            self._absorb((await self._execute(conn, [statement]))[0], len(ids))
         for attempts, failures in batch.failed.items():
             await self._write_failures(conn, attempts, failures)
 
@@ -256,7 +281,7 @@ class Settler:
         self, conn: asyncpg.Connection, attempts: int, failures: list[Settlement]
     ) -> None:
         try:
-            updated = (await self._execute(conn, [self._failed_statement(attempts, failures)]))[0]
+            result = (await self._execute(conn, [self._failed_statement(attempts, failures)]))[0]
         except asyncpg.PostgresError as exc:
             if not is_data_error(exc):
                 raise
@@ -285,10 +310,14 @@ class Settler:
             await self._write_failures(
                 conn,
                 attempts,
-                [Settlement(bad.id, bad.attempts, bad.outcome, bad.delay, placeholder)],
+                [
+                    Settlement(
+                        bad.id, bad.attempts, bad.outcome, bad.delay, placeholder, bad.blocks_key
+                    )
+                ],
             )
             return
-        self._count_fenced(updated, len(failures))
+        self._absorb(result, len(failures))
 
     def _count_fenced(self, updated: int, expected: int) -> None:
         if updated < expected:

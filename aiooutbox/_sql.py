@@ -198,12 +198,12 @@ class Queries:
     @property
     def insert_one(self) -> str:
         # $1 topic, $2 payload json, $3 dedupe_key, $4 headers json, $5 max_attempts,
-        # $6 available_at (absolute) or NULL, $7 delay seconds
+        # $6 available_at (absolute) or NULL, $7 delay seconds, $8 ordering_key
         return (
             f"INSERT INTO {self.qualified}"
-            " (topic, payload, dedupe_key, headers, max_attempts, available_at)"
+            " (topic, payload, dedupe_key, headers, max_attempts, available_at, ordering_key)"
             " VALUES ($1, $2::text::jsonb, $3, $4::text::jsonb, $5,"
-            " COALESCE($6::timestamptz, now() + make_interval(secs => $7::float8)))"
+            " COALESCE($6::timestamptz, now() + make_interval(secs => $7::float8)), $8::text)"
             " ON CONFLICT (dedupe_key) DO NOTHING RETURNING id"
         )
 
@@ -211,55 +211,66 @@ class Queries:
     def insert_many(self) -> str:
         return (
             f"INSERT INTO {self.qualified}"
-            " (topic, payload, dedupe_key, headers, max_attempts, available_at)"
+            " (topic, payload, dedupe_key, headers, max_attempts, available_at, ordering_key)"
             " SELECT u.topic, u.payload::jsonb, u.dedupe_key, u.headers::jsonb, u.max_attempts,"
-            " COALESCE(u.available_at, now() + make_interval(secs => u.delay))"
+            " COALESCE(u.available_at, now() + make_interval(secs => u.delay)), u.ordering_key"
             " FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int[],"
-            " $6::timestamptz[], $7::float8[])"
+            " $6::timestamptz[], $7::float8[], $8::text[])"
             " WITH ORDINALITY AS u(topic, payload, dedupe_key, headers, max_attempts,"
-            " available_at, delay, ord)"
+            " available_at, delay, ordering_key, ord)"
             " ORDER BY u.ord"
-            " ON CONFLICT (dedupe_key) DO NOTHING RETURNING id, dedupe_key"
+            " ON CONFLICT (dedupe_key) DO NOTHING RETURNING id, dedupe_key, ordering_key"
         )
 
     # -- consumer ------------------------------------------------------------------
-    # The claim and the settlements are functions (migration 0002) whose SET clauses pin
-    # them to index plans: a generic plan made while the table was small would otherwise
-    # scan the whole table on every call once the backlog grows.
+    # The claim and the settlements are functions (migrations 0002, 0005) whose SET
+    # clauses pin them to index plans: a generic plan made while the table was small
+    # would otherwise scan the whole table on every call once the backlog grows.
     def _function(self, name: str) -> str:
         return f'"{self.schema}"."{self.table}_{name}"'
 
     @property
     def claim(self) -> str:
         # $1 worker id, $2 lease seconds, $3 topics (NULL: every topic), $4 limit,
-        # $5 byte cap; the claimed rows are `ClaimedRow`'s columns (migration 0003)
+        # $5 byte cap, $6 run length behind an ordered head (0: heads only); the claimed
+        # rows are `ClaimedRow`'s columns (migration 0005)
         return (
-            f"SELECT * FROM {self._function('claim_v3')}"
-            "($1, $2::float8, $3::text[], $4::int, $5::bigint)"
+            f"SELECT * FROM {self._function('claim_v5')}"
+            "($1, $2::float8, $3::text[], $4::int, $5::bigint, $6::int)"
         )
 
     @property
     def claim_after(self) -> str:
-        # the claim, starting after a watermark: $6 available_at, $7 id
+        # the claim, starting after a watermark: $7 available_at, $8 id
         return (
-            f"SELECT * FROM {self._function('claim_v3')}"
-            "($1, $2::float8, $3::text[], $4::int, $5::bigint, $6::timestamptz, $7::bigint)"
+            f"SELECT * FROM {self._function('claim_v5')}"
+            "($1, $2::float8, $3::text[], $4::int, $5::bigint, $6::int,"
+            " $7::timestamptz, $8::bigint)"
         )
 
     @property
     def settle_done(self) -> str:
         # fenced: only the claim this worker holds, on the attempt it claimed
-        # $1 ids, $2 worker id, $3 attempts; returns the number of rows settled
-        return f"SELECT {self._function('settle_done')}($1::bigint[], $2, $3::int)"
+        # $1 ids, $2 worker id, $3 attempts; returns (settled, promoted, skipped keys)
+        return f"SELECT * FROM {self._function('settle_done_v5')}($1::bigint[], $2, $3::int)"
 
     @property
     def settle_failed(self) -> str:
-        # $1 ids, $2 delays (s), $3 errors, $4 force dead, $5 released, $6 worker id,
-        # $7 attempts; returns the number of rows settled
+        # $1 ids, $2 delays (s), $3 errors, $4 outcomes (see 0005), $5 worker id,
+        # $6 attempts; returns (settled, promoted, skipped keys)
         return (
-            f"SELECT {self._function('settle_failed')}($1::bigint[], $2::float8[],"
-            " $3::text[], $4::bool[], $5::bool[], $6, $7::int)"
+            f"SELECT * FROM {self._function('settle_failed_v5')}($1::bigint[], $2::float8[],"
+            " $3::text[], $4::text[], $5, $6::int)"
         )
+
+    @property
+    def promote(self) -> str:
+        # $1 keys whose next waiting event may be due; returns (promoted, skipped keys)
+        return f"SELECT * FROM {self._function('promote')}($1::text[])"
+
+    @property
+    def promote_orphans(self) -> str:
+        return f"SELECT * FROM {self._function('promote_orphans')}()"
 
     @property
     def extend_leases(self) -> str:
@@ -273,21 +284,10 @@ class Queries:
 
     @property
     def recover_expired(self) -> str:
-        # $1 batch limit
-        dead = "e.attempts >= e.max_attempts"
+        # $1 batch limit; rows (id, topic, new status, worker that lost the lease)
         return (
-            f"UPDATE {self.qualified} AS e SET"
-            f" status = CASE WHEN {dead} THEN 'dead' ELSE 'retry' END::{self.status_type},"
-            " available_at = now(),"
-            f" finished_at = CASE WHEN {dead} THEN now() END,"
-            " last_error = 'lease expired: worker ' || coalesce(e.locked_by, '?')"
-            " || ' stopped renewing it during attempt ' || e.attempts,"
-            " lease_expires_at = NULL, updated_at = now()"
-            " WHERE e.id = ANY (ARRAY("
-            f"  SELECT c.id FROM {self.qualified} AS c"
-            "   WHERE c.status = 'processing' AND c.lease_expires_at < now()"
-            "   ORDER BY c.lease_expires_at LIMIT $1 FOR UPDATE SKIP LOCKED))"
-            " RETURNING e.id, e.topic, e.status::text, e.locked_by"
+            f"SELECT * FROM {self._function('requeue_v5')}(NULL, '{{}}', $1::int,"
+            " 'lease expired: the worker stopped renewing it')"
         )
 
     @property
@@ -296,27 +296,40 @@ class Queries:
         # reply never reached us go back to retry at once (through the lease index,
         # which holds only rows being processed); a release never sends a row to dead
         return (
-            f"UPDATE {self.qualified} AS e SET status = 'retry', available_at = now(),"
-            " lease_expires_at = NULL, updated_at = now(),"
-            " last_error = 'released: the claim reply never reached worker ' || e.locked_by"
-            " WHERE e.id = ANY (ARRAY("
-            f"  SELECT c.id FROM {self.qualified} AS c"
-            "   WHERE c.lease_expires_at IS NOT NULL AND c.status = 'processing'"
-            "   AND c.locked_by = $1 AND NOT (c.id = ANY ($2::bigint[]))"
-            "   ORDER BY c.lease_expires_at FOR UPDATE SKIP LOCKED))"
-            " RETURNING e.id"
+            f"SELECT * FROM {self._function('requeue_v5')}($1, $2::bigint[], 0,"
+            " 'released: the claim reply never reached its worker')"
         )
 
     @property
     def next_available(self) -> str:
-        # seconds until the earliest claimable row for these topics (NULL: all) becomes
-        # due; rows a raw SQL producer scheduled at +-infinity neither break the
+        # seconds until the earliest claimable row of these topics becomes due: one
+        # probe of the topic-first index per topic, so a topic's backlog never slows
+        # another's; rows a raw SQL producer scheduled at +-infinity neither break the
         # subtraction nor count as due
         return (
-            "SELECT extract(epoch FROM (min(greatest(available_at, now())) - now()))::float8"
-            f" FROM {self.qualified}"
-            " WHERE status IN ('pending', 'retry') AND available_at < 'infinity'"
-            " AND ($1::text[] IS NULL OR topic = ANY ($1::text[]))"
+            "SELECT extract(epoch FROM (min(greatest(n.at, now())) - now()))::float8"
+            " FROM unnest($1::text[]) AS t(topic) CROSS JOIN LATERAL ("
+            f" SELECT c.available_at AS at FROM {self.qualified} AS c"
+            "  WHERE c.status IN ('pending', 'retry') AND c.topic = t.topic"
+            "  AND c.available_at < 'infinity' ORDER BY c.available_at LIMIT 1) AS n"
+        )
+
+    @property
+    def next_available_any(self) -> str:
+        # the same over every topic (relays): the topics found by a skip scan
+        return (
+            "WITH RECURSIVE t(topic) AS ("
+            f" (SELECT topic FROM {self.qualified} WHERE status IN ('pending', 'retry')"
+            "  ORDER BY topic LIMIT 1)"
+            " UNION ALL SELECT (SELECT c.topic FROM"
+            f"  {self.qualified} AS c WHERE c.status IN ('pending', 'retry')"
+            "  AND c.topic > t.topic ORDER BY c.topic LIMIT 1) FROM t WHERE t.topic IS NOT NULL)"
+            " SELECT extract(epoch FROM (min(greatest(n.at, now())) - now()))::float8"
+            " FROM t CROSS JOIN LATERAL ("
+            f" SELECT c.available_at AS at FROM {self.qualified} AS c"
+            "  WHERE c.status IN ('pending', 'retry') AND c.topic = t.topic"
+            "  AND c.available_at < 'infinity' ORDER BY c.available_at LIMIT 1) AS n"
+            " WHERE t.topic IS NOT NULL"
         )
 
     @property

@@ -361,6 +361,7 @@ class OutboxConsumer:
     async def _engine(self, handlers: dict[str, Handler], topics: list[str] | None) -> None:
         o = self.options
         self._handlers = handlers
+        signals = self._signals
         settler = self._settler = Settler(
             self._pool,
             o.queries,
@@ -368,6 +369,7 @@ class OutboxConsumer:
             flush_interval=0.005,
             flush_size=max(64, o.concurrency),
             statement_timeout=o.statement_timeout,
+            on_promoted=signals.set_wake,  # the key's next event may be ours to claim
         )
         logger.info(
             "consumer %s starting: topics=%s concurrency=%d",
@@ -436,7 +438,7 @@ class OutboxConsumer:
                 is_stopping=lambda: self._stopping,
                 observers=self._observers,
             )
-            handoff: Handoff[ClaimedRow] = Handoff()
+            handoff: Handoff[list[ClaimedRow]] = Handoff()
             try:
                 async with anyio.create_task_group() as workers:
                     self._workers_scope = workers.cancel_scope
@@ -452,11 +454,12 @@ class OutboxConsumer:
                     workers.cancel_scope.cancel()
             finally:
                 handoff.close()
-                # rows handed out that no worker took (a fast stop): release them too
-                while (row := handoff.take_nowait()) is not None:
-                    executor.release(row)
-                    self._leases.finish(row.id, row.attempts)
+                # runs handed out that no worker took (a fast stop): release them too
+                while (run := handoff.take_nowait()) is not None:
+                    executor.release(run[0])
+                    self._leases.finish(run[0].id, run[0].attempts)
                     self.stats.in_flight -= 1
+                    executor.give_back(run[1:])
                 await settler.close(timeout=max(o.statement_timeout, 5.0))
                 with anyio.CancelScope(shield=True):
                     await self._release_leftovers(settler)
@@ -522,9 +525,9 @@ class OutboxConsumer:
         self._signals.set_wake()
 
 
-async def _worker(handoff: Handoff[ClaimedRow], executor: Executor) -> None:
-    while (row := await handoff.get()) is not None:
-        await executor.execute(row)
+async def _worker(handoff: Handoff[list[ClaimedRow]], executor: Executor) -> None:
+    while (run := await handoff.get()) is not None:
+        await executor.execute_run(run)
 
 
 async def _quietly(awaitable: object) -> None:

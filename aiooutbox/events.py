@@ -21,6 +21,7 @@ class NewEvent:
     available_at: datetime | None = None
     max_attempts: int | None = None
     headers: Mapping[str, Any] | None = None
+    ordering_key: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +43,8 @@ class Event:
     #: a UUID unique across databases, tables and re-creations, the same on every retry:
     #: what brokers and downstream consumers should dedupe on (``id`` is per table)
     message_id: str | None = None
+    #: events with the same key are handled one at a time, in order; None: unordered
+    ordering_key: str | None = None
 
     @property
     def is_last_attempt(self) -> bool:

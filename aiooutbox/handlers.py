@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from ._limits import check_topic_name
 from .errors import InvalidArgument
@@ -29,6 +29,10 @@ class Handler:
     func: HandlerFunc
     retry: RetryPolicy | None = None
     timeout: float | None = None
+    #: what a dead ordered event does to its key: "skip" (the key moves on to its next
+    #: event, as SQS FIFO does) or "block" (the key waits until an operator retries or
+    #: purges the dead event); unordered events are unaffected
+    on_dead: Literal["skip", "block"] = "skip"
 
 
 class Router(Mapping[str, Handler]):
@@ -44,10 +48,15 @@ class Router(Mapping[str, Handler]):
         self._handlers: dict[str, Handler] = {}
 
     def handler(
-        self, topic: str, *, retry: RetryPolicy | None = None, timeout: float | None = None
+        self,
+        topic: str,
+        *,
+        retry: RetryPolicy | None = None,
+        timeout: float | None = None,
+        on_dead: Literal["skip", "block"] = "skip",
     ) -> Callable[[F], F]:
         def register(func: F) -> F:
-            self.add(topic, func, retry=retry, timeout=timeout)
+            self.add(topic, func, retry=retry, timeout=timeout, on_dead=on_dead)
             return func
 
         return register
@@ -59,11 +68,12 @@ class Router(Mapping[str, Handler]):
         *,
         retry: RetryPolicy | None = None,
         timeout: float | None = None,
+        on_dead: Literal["skip", "block"] = "skip",
     ) -> None:
         _check_topic(topic)
         if topic in self._handlers:
             raise InvalidArgument(f"topic {topic!r} already has a handler")
-        self._handlers[topic] = _check_handler(topic, Handler(func, retry, timeout))
+        self._handlers[topic] = _check_handler(topic, Handler(func, retry, timeout, on_dead))
 
     def __getitem__(self, topic: str) -> Handler:
         return self._handlers[topic]
@@ -103,6 +113,10 @@ def _check_handler(topic: str, handler: Handler) -> Handler:
             raise TypeError(f"timeout for {topic!r} must be seconds, got {handler.timeout!r}")
         if not 0 < handler.timeout < float("inf"):
             raise InvalidArgument(f"timeout for {topic!r} must be > 0, got {handler.timeout!r}")
+    if handler.on_dead not in ("skip", "block"):
+        raise InvalidArgument(
+            f"on_dead for {topic!r} must be 'skip' or 'block', got {handler.on_dead!r}"
+        )
     return handler
 
 

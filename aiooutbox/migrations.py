@@ -197,6 +197,14 @@ def schema_missing_message(q: Queries) -> str:
     )
 
 
+def schema_behind_message(q: Queries) -> str:
+    """What to do when the outbox predates this library (a rolling upgrade: migrate first)."""
+    return (
+        f"{q.qualified} is older than this aiooutbox (a column it writes is missing): run "
+        "`python -m aiooutbox migrate` before deploying this version"
+    )
+
+
 async def check_schema(
     conn_or_pool: asyncpg.Connection | asyncpg.Pool,
     *,

@@ -41,6 +41,8 @@ EARLIEST_AVAILABLE_AT = datetime(1970, 1, 1, tzinfo=timezone.utc)
 LATEST_AVAILABLE_AT = datetime(9000, 1, 1, tzinfo=timezone.utc)
 MAX_DELAY_SECONDS = 1000 * 366 * 86400.0
 MAX_BATCH = 100_000
+# in UTF-8 bytes, as the table's check constraint says (migration 0005)
+MAX_ORDERING_KEY_LENGTH = 512
 
 
 class _Row:
@@ -52,6 +54,7 @@ class _Row:
         "delay",
         "headers",
         "max_attempts",
+        "ordering_key",
         "payload",
         "topic",
     )
@@ -63,6 +66,7 @@ class _Row:
         self.headers = _check_headers(event.headers, encoder, where)
         self.max_attempts = _check_max_attempts(event.max_attempts, where)
         self.available_at, self.delay = _check_schedule(event.delay, event.available_at, where)
+        self.ordering_key = _check_ordering_key(event.ordering_key, where)
 
     def params(self) -> tuple[Any, ...]:
         """The bind values of `Queries.insert_one`, in placeholder order."""
@@ -74,7 +78,26 @@ class _Row:
             self.max_attempts,
             self.available_at,
             self.delay,
+            self.ordering_key,
         )
+
+
+def _check_ordering_key(key: object, where: str) -> str | None:
+    if key is None:
+        return None
+    if not isinstance(key, str):
+        raise TypeError(f"{where}ordering_key must be a str or None, not {type(key).__name__}")
+    if not key:
+        raise InvalidArgument(f"{where}ordering_key must not be empty (use None for unordered)")
+    check_utf8(key, f"{where}ordering_key")
+    if "\x00" in key or (
+        len(key) > MAX_ORDERING_KEY_LENGTH // 4 and len(key.encode()) > MAX_ORDERING_KEY_LENGTH
+    ):
+        raise InvalidArgument(
+            f"{where}ordering_key must be at most {MAX_ORDERING_KEY_LENGTH} bytes (UTF-8) "
+            "without NUL"
+        )
+    return key
 
 
 def _check_topic(topic: object, where: str) -> str:
@@ -185,11 +208,15 @@ def prepare_one(
     schema: str,
     table: str,
     encoder: Encoder | None,
+    ordering_key: str | None = None,
 ) -> tuple[Queries, str, tuple[Any, ...]]:
     """Validate one event; return the outbox, the statement and its parameters."""
     q = queries(schema, table)
     row = _Row(
-        NewEvent(topic, payload, dedupe_key, delay, available_at, max_attempts, headers), encoder
+        NewEvent(
+            topic, payload, dedupe_key, delay, available_at, max_attempts, headers, ordering_key
+        ),
+        encoder,
     )
     return q, q.insert_one, row.params()
 
@@ -225,18 +252,14 @@ class Batch:
             if len(rows) > MAX_BATCH:
                 raise InvalidArgument(f"enqueue_many takes at most {MAX_BATCH} events per call")
         self.rows = rows
-        # a stable sort: the first occurrence of a key is still inserted first and wins
-        self.order = sorted(
-            range(len(rows)),
-            key=lambda i: (rows[i].dedupe_key is None, rows[i].dedupe_key or ""),
-        )
+        self.order = sorted(range(len(rows)), key=lambda i: _insert_order(rows[i], i))
 
     @property
     def statement(self) -> str:
         return self.q.insert_many
 
     def params(self) -> tuple[list[Any], ...]:
-        """The seven arrays of `Queries.insert_many`, in insertion order."""
+        """The eight arrays of `Queries.insert_many`, in insertion order."""
         ordered = [self.rows[i] for i in self.order]
         return (
             [r.topic for r in ordered],
@@ -246,26 +269,46 @@ class Batch:
             [r.max_attempts for r in ordered],
             [r.available_at for r in ordered],
             [r.delay for r in ordered],
+            [r.ordering_key for r in ordered],
         )
 
     def results(self, records: Sequence[Sequence[Any]]) -> list[int | None]:
         """One id or ``None`` per input event, in input order, from the returned rows."""
         by_key: dict[str, int] = {}
-        unkeyed: list[int] = []
+        unkeyed: dict[str | None, list[int]] = {}
         for record in records:
             if record[1] is None:
-                unkeyed.append(int(record[0]))
+                unkeyed.setdefault(record[2], []).append(int(record[0]))
             else:
                 by_key[record[1]] = int(record[0])
-        # keyless rows are inserted last, in input order, so their ids ascend with it
-        unkeyed.sort(reverse=True)
+        # keyless rows of one ordering key (or of none) are inserted in input order, so
+        # their ids ascend with it
+        for ids in unkeyed.values():
+            ids.sort(reverse=True)
         results: list[int | None] = []
         for r in self.rows:
             if r.dedupe_key is None:
-                results.append(unkeyed.pop())
+                results.append(unkeyed[r.ordering_key].pop())
             else:
                 results.append(by_key.pop(r.dedupe_key, None))
         return results
+
+
+def _insert_order(row: _Row, index: int) -> tuple[int, str, int]:
+    """Where a batch row is inserted.
+
+    Unordered rows with a dedupe key come first, sorted by it, so producers whose
+    batches share keys take the unique index's locks in the same order and wait for each
+    other instead of deadlocking (a stable sort: the first occurrence of a key still
+    wins). Ordered rows follow, grouped by ordering key in key order (the per-key locks
+    of migration 0005, taken in the same order by every producer) and in input order
+    within a key, which is their delivery order. Keyless unordered rows come last.
+    """
+    if row.ordering_key is not None:
+        return (1, row.ordering_key, index)
+    if row.dedupe_key is not None:
+        return (0, row.dedupe_key, index)
+    return (2, "", index)
 
 
 async def enqueue(
@@ -278,11 +321,15 @@ async def enqueue(
     available_at: datetime | None = None,
     max_attempts: int | None = None,
     headers: Mapping[str, Any] | None = None,
+    ordering_key: str | None = None,
     schema: str = DEFAULT_SCHEMA,
     table: str = DEFAULT_TABLE,
     encoder: Encoder | None = None,
 ) -> int | None:
     """Insert one event and return its id, or ``None`` if ``dedupe_key`` already exists.
+
+    Events with the same ``ordering_key`` are handled one at a time, in id order (see
+    docs/guarantees.md, "Ordered delivery"); ``None`` means unordered.
 
     ``conn`` is an asyncpg ``Connection`` or ``Pool``, a SQLAlchemy ``AsyncSession`` or
     ``AsyncConnection`` (asyncpg or psycopg underneath), or a psycopg ``AsyncConnection``.
@@ -304,6 +351,7 @@ async def enqueue(
         schema=schema,
         table=table,
         encoder=encoder,
+        ordering_key=ordering_key,
     )
     return one_result(await execute(q, sql, params))
 

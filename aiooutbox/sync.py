@@ -34,6 +34,7 @@ def enqueue(
     available_at: datetime | None = None,
     max_attempts: int | None = None,
     headers: Mapping[str, Any] | None = None,
+    ordering_key: str | None = None,
     schema: str = DEFAULT_SCHEMA,
     table: str = DEFAULT_TABLE,
     encoder: Encoder | None = None,
@@ -51,6 +52,7 @@ def enqueue(
         schema=schema,
         table=table,
         encoder=encoder,
+        ordering_key=ordering_key,
     )
     return one_result(execute(q, sql, params))
 

@@ -13,7 +13,7 @@ import pytest
 
 import aiooutbox
 from aiooutbox._options import DEFAULT_MAX_CLAIM_BYTES as MAX_CLAIM_BYTES
-from aiooutbox._plans import hot_path_plans
+from aiooutbox._plans import hot_path_plans, nested_plans
 from aiooutbox._sql import queries
 from tests.helpers import all_in, running, status_counts, truthy, wait_until
 
@@ -210,7 +210,7 @@ async def test_abandoned_claim_is_recovered_after_lease_timeout(pool: asyncpg.Po
     event_id = await aiooutbox.enqueue(pool, "jobs", {})
     q = queries()
     # a worker that claims and then "crashes": it never settles nor heartbeats
-    rows = await pool.fetch(q.claim, "crashed-worker", 1.0, ["jobs"], 10, MAX_CLAIM_BYTES)
+    rows = await pool.fetch(q.claim, "crashed-worker", 1.0, ["jobs"], 10, MAX_CLAIM_BYTES, 0)
     assert [r[0] for r in rows] == [event_id]
     handled: list[int] = []
 
@@ -228,7 +228,7 @@ async def test_abandoned_claim_is_recovered_after_lease_timeout(pool: asyncpg.Po
 
 async def test_recovery_of_an_exhausted_row_makes_it_dead(pool: asyncpg.Pool) -> None:
     event_id = await aiooutbox.enqueue(pool, "jobs", {}, max_attempts=1)
-    await pool.fetch(queries().claim, "crashed-worker", 1.0, ["jobs"], 10, MAX_CLAIM_BYTES)
+    await pool.fetch(queries().claim, "crashed-worker", 1.0, ["jobs"], 10, MAX_CLAIM_BYTES, 0)
     await asyncio.sleep(1.1)
     recovered = await pool.fetch(queries().recover_expired, 100)
     assert [(r[0], r[2]) for r in recovered] == [(event_id, "dead")]
@@ -257,17 +257,14 @@ async def test_long_handler_keeps_its_lease_through_heartbeats(pool: asyncpg.Poo
 async def test_stale_settlement_is_fenced_out(pool: asyncpg.Pool) -> None:
     event_id = await aiooutbox.enqueue(pool, "jobs", {})
     q = queries()
-    await pool.fetch(q.claim, "stale", 0.5, ["jobs"], 1, MAX_CLAIM_BYTES)
+    await pool.fetch(q.claim, "stale", 0.5, ["jobs"], 1, MAX_CLAIM_BYTES, 0)
     await asyncio.sleep(0.6)
     assert len(await pool.fetch(q.recover_expired, 100)) == 1
-    await pool.fetch(q.claim, "fresh", 30.0, ["jobs"], 1, MAX_CLAIM_BYTES)
+    await pool.fetch(q.claim, "fresh", 30.0, ["jobs"], 1, MAX_CLAIM_BYTES, 0)
     # the stale worker (attempt 1) tries to settle: nothing changes
     assert await pool.fetchval(q.settle_done, [event_id], "stale", 1) == 0
     assert (
-        await pool.fetchval(
-            q.settle_failed, [event_id], [0.0], ["late"], [True], [False], "stale", 1
-        )
-        == 0
+        await pool.fetchval(q.settle_failed, [event_id], [0.0], ["late"], ["dead"], "stale", 1) == 0
     )
     # the same worker id on an older attempt is fenced too
     assert await pool.fetchval(q.settle_done, [event_id], "fresh", 1) == 0
@@ -571,7 +568,7 @@ def _assert_index_plans(plans: dict[str, str]) -> None:
         assert "Seq Scan" not in plan, (name, plan)
         assert "outbox_events_pkey" in plan, (name, plan)
     for name in ("claim", "claim_after"):
-        assert "outbox_events_claimable_idx" in plans[name], plans[name]
+        assert "outbox_events_topic_claimable_idx" in plans[name], plans[name]
     # the watermark is an index condition, not a filter over the dead prefix
     index_conds = [line for line in plans["claim_after"].splitlines() if "Index Cond" in line]
     assert any("ROW(available_at, id) >" in line for line in index_conds), plans["claim_after"]
@@ -589,11 +586,25 @@ async def test_claim_plan_uses_the_partial_index(pool: asyncpg.Pool) -> None:
         # nothing was claimed: the statements ran in a transaction that was rolled back
         held = await conn.fetchval("SELECT count(*) FROM outbox_events WHERE locked_by IS NOT NULL")
         assert held == 0
-        async with conn.transaction():
-            await conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
-            stmt = await conn.prepare("EXPLAIN " + queries().recover_expired)
-            plan = "\n".join(r[0] for r in await stmt.fetch(100))
-        assert "outbox_events_lease_idx" in plan and "Seq Scan" not in plan, plan
+        q = queries()
+        plans = await nested_plans(
+            conn,
+            q,
+            [
+                ("recover", q.recover_expired, (100,)),
+                ("orphans", q.release_orphans, ("w", [1, 2])),
+            ],
+        )
+        for name in ("recover", "orphans"):
+            plan = plans[name]
+            assert "outbox_events_lease_idx" in plan and "Seq Scan" not in plan, plan
+        # the probes before idling read one topic's range of the index at a time
+        for sql, args in ((q.next_available, (["x", "y"],)), (q.next_available_any, ())):
+            async with conn.transaction():
+                await conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+                stmt = await conn.prepare("EXPLAIN " + sql)
+                plan = "\n".join(r[0] for r in await stmt.fetch(*args))
+            assert "outbox_events_topic_claimable_idx" in plan and "Seq Scan" not in plan, plan
 
 
 async def test_reading_plans_needs_a_superuser(empty_dsn: str) -> None:
@@ -621,7 +632,7 @@ async def test_plans_made_on_an_empty_table_survive_a_backlog(empty_dsn: str) ->
         await conn.execute("VACUUM ANALYZE outbox_events")  # statistics: really empty
         q = queries()
         for _ in range(8):  # past the five custom plans: the generic one is cached now
-            assert await conn.fetch(q.claim, "w", 30.0, ["x"], 100, MAX_CLAIM_BYTES) == []
+            assert await conn.fetch(q.claim, "w", 30.0, ["x"], 100, MAX_CLAIM_BYTES, 0) == []
             assert (
                 await conn.fetch(
                     q.claim_after,
@@ -630,16 +641,14 @@ async def test_plans_made_on_an_empty_table_survive_a_backlog(empty_dsn: str) ->
                     ["x"],
                     100,
                     MAX_CLAIM_BYTES,
+                    0,
                     datetime.now(UTC),
                     0,
                 )
                 == []
             )
             assert await conn.fetchval(q.settle_done, [1], "w", 1) == 0
-            assert (
-                await conn.fetchval(q.settle_failed, [1], [0.0], ["e"], [False], [False], "w", 1)
-                == 0
-            )
+            assert await conn.fetchval(q.settle_failed, [1], [0.0], ["e"], ["retry"], "w", 1) == 0
         await conn.execute(
             "INSERT INTO outbox_events (topic, payload)"
             " SELECT 'x', '{}' FROM generate_series(1, 5000)"

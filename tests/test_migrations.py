@@ -22,7 +22,9 @@ OUTBOX_OBJECTS = {
     ("outbox_events_migrations", "r"),
     ("outbox_events_migrations_compat", "r"),
     ("outbox_events_dedupe_key_idx", "i"),
-    ("outbox_events_claimable_idx", "i"),
+    ("outbox_events_topic_claimable_idx", "i"),
+    ("outbox_events_key_head_idx", "i"),
+    ("outbox_events_key_idx", "i"),
     ("outbox_events_lease_idx", "i"),
     ("outbox_events_finished_idx", "i"),
 }
@@ -165,7 +167,7 @@ async def test_custom_schema_and_table_are_independent_outboxes(empty_dsn: str) 
             "jobs",
             "jobs_idle",
             "jobs_migrations",
-            "jobs_claimable_idx",
+            "jobs_topic_claimable_idx",
         }
         assert await versions(conn, "billing", "jobs") == shipped()
         assert await versions(conn, "public", "other_outbox") == shipped()
@@ -208,8 +210,11 @@ async def test_custom_schema_and_table_are_independent_outboxes(empty_dsn: str) 
             " ORDER BY 1"
         )
         assert [tuple(r) for r in triggers] == [
+            ("billing.jobs", "jobs_order"),
             ("billing.jobs", "jobs_wakeup"),
+            ("other_outbox", "other_outbox_order"),
             ("other_outbox", "other_outbox_wakeup"),
+            ("outbox_events", "outbox_events_order"),
             ("outbox_events", "outbox_events_wakeup"),
         ]
     finally:
@@ -300,19 +305,24 @@ async def test_check_schema_reports_missing_migrations(empty_dsn: str) -> None:
 async def test_an_outbox_from_version_1_upgrades_and_keeps_its_events(empty_dsn: str) -> None:
     conn = await asyncpg.connect(empty_dsn)
     try:
-        await aiooutbox.migrate(conn)
-        # back to what aiooutbox with only migration 0001 left behind
-        await conn.execute(
-            "DROP FUNCTION outbox_events_claim, outbox_events_settle_done,"
-            " outbox_events_settle_failed, outbox_events_claim_v3;"
-            " ALTER TABLE outbox_events DROP COLUMN message_id;"
-            " DROP TABLE outbox_events_migrations_compat;"
-            " DELETE FROM outbox_events_migrations WHERE version > 1"
+        # what aiooutbox with only migration 0001 left behind
+        q = queries()
+        first = migrations()[0]
+        await conn.execute(q.create_versions_table)
+        await conn.execute(q.render(first.template))
+        await conn.execute(q.record_version, first.version, first.name)
+        # a producer of that release (the classic INSERT)
+        event_id = await conn.fetchval(
+            "INSERT INTO outbox_events (topic, payload) VALUES ('t', '{\"before\": \"upgrade\"}')"
+            " RETURNING id"
         )
-        event_id = await aiooutbox.enqueue(conn, "t", {"before": "upgrade"})
-        with pytest.raises(SchemaNotReady, match=re.escape("lacks migration(s) [2, 3]")):
+        # this release's producer says what to do instead of failing on a missing column
+        with pytest.raises(SchemaNotReady, match="run `python -m aiooutbox migrate` before"):
+            await aiooutbox.enqueue(conn, "t", {"too": "early"})
+        later = ALL[1:]
+        with pytest.raises(SchemaNotReady, match=re.escape(f"lacks migration(s) {later}")):
             await aiooutbox.check_schema(conn)
-        assert await aiooutbox.migrate(conn) == [2, 3]
+        assert await aiooutbox.migrate(conn) == later
         await aiooutbox.check_schema(conn)
         seen: list[int] = []
 

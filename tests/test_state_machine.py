@@ -187,7 +187,9 @@ def make_machine(world: World) -> type[RuleBasedStateMachine]:
         @rule(worker=st.sampled_from(WORKERS), limit=st.integers(1, 3))
         def claim(self, worker: str, limit: int) -> None:
             before = world.snapshot()
-            got = world.run(world.conn.fetch(Q.claim, worker, LEASE, ["t"], limit, MAX_CLAIM_BYTES))
+            got = world.run(
+                world.conn.fetch(Q.claim, worker, LEASE, ["t"], limit, MAX_CLAIM_BYTES, 0)
+            )
             now = self._now()
             assert len(got) <= limit
             # oldest available first: exactly the head of the claimable queue (nothing
@@ -204,7 +206,7 @@ def make_machine(world: World) -> type[RuleBasedStateMachine]:
                 return list(
                     await asyncio.gather(
                         *(
-                            world.conns[i].fetch(Q.claim, w, LEASE, ["t"], 2, MAX_CLAIM_BYTES)
+                            world.conns[i].fetch(Q.claim, w, LEASE, ["t"], 2, MAX_CLAIM_BYTES, 0)
                             for i, w in enumerate(workers)
                         )
                     )
@@ -280,8 +282,7 @@ def make_machine(world: World) -> type[RuleBasedStateMachine]:
                         ids,
                         [delay] * len(ids),
                         ["failed"] * len(ids),
-                        [force_dead] * len(ids),
-                        [released] * len(ids),
+                        ["dead" if force_dead else "released" if released else "retry"] * len(ids),
                         worker,
                         attempts,
                     )
@@ -419,7 +420,7 @@ def make_machine(world: World) -> type[RuleBasedStateMachine]:
                     )
                 )
                 got = world.run(
-                    world.conn.fetch(Q.claim, "finisher", LEASE, ["t"], 1000, MAX_CLAIM_BYTES)
+                    world.conn.fetch(Q.claim, "finisher", LEASE, ["t"], 1000, MAX_CLAIM_BYTES, 0)
                 )
                 for attempts in {r["attempts"] for r in got}:
                     ids = [r["id"] for r in got if r["attempts"] == attempts]
