@@ -207,7 +207,7 @@ async def test_custom_schema_and_table_are_independent_outboxes(empty_dsn: str) 
         ]
         triggers = await conn.fetch(
             "SELECT tgrelid::regclass::text, tgname FROM pg_trigger WHERE NOT tgisinternal"
-            " ORDER BY 1"
+            " ORDER BY 1, 2"
         )
         assert [tuple(r) for r in triggers] == [
             ("billing.jobs", "jobs_order"),
