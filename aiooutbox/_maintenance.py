@@ -91,8 +91,12 @@ class Maintenance:
         """Recover expired leases; purge old ``done`` rows and stale idle adverts."""
         interval = min(self._lease_timeout / 2, 10.0)
         next_purge = 0.0
+        orphans_promoted = False
         while True:
             try:
+                if not orphans_promoted:
+                    await self._promote_orphans()
+                    orphans_promoted = True
                 recovered = await self._recover()
                 if recovered:
                     self._on_recovered(recovered)
@@ -103,6 +107,19 @@ class Maintenance:
                 check_permanent(exc, "recovering expired leases")
                 logger.warning("maintenance failed (%s: %s)", type(exc).__name__, exc)
             await anyio.sleep(interval * random.uniform(0.8, 1.2))
+
+    async def _promote_orphans(self) -> None:
+        """Once at start: keys whose next event waits with no head left (a promotion
+        lost with a crashed consumer) move on."""
+        row = await bounded(
+            self._pool, "fetchrow", self._q.promote_orphans, timeout=self._timeout
+        )
+        if row is not None and row["promoted"]:
+            logger.warning(
+                "promoted the next event of %d ordered key(s) left without a head",
+                row["promoted"],
+            )
+            self._on_recovered(row["promoted"])
 
     async def _recover(self) -> int:
         total = 0

@@ -17,6 +17,11 @@
 -- key whose lock was busy is returned to the consumer, which promotes it again later.
 -- A claim takes a head together with the run of waiting events behind it, handed to
 -- one worker that runs them in order.
+--
+-- Every function pins index plans with `enable_seqscan = off` (see 0002) and turns JIT
+-- off: a node the setting could not avoid (the idle table's scan) costs 1e10, which
+-- made PostgreSQL JIT-compile the statement on every call (measured: 65-215 ms per
+-- promotion check, settlements past the statement timeout).
 
 ALTER TABLE "{{schema}}"."{{table}}" ADD COLUMN ordering_key TEXT;
 -- a dead head of a topic whose handler says on_dead="block" keeps its key blocked
@@ -71,6 +76,7 @@ RETURNS TABLE (promoted INT, skipped TEXT[])
 LANGUAGE plpgsql
 SET enable_seqscan = off
 SET enable_bitmapscan = off
+SET jit = off
 AS $fn$
 DECLARE
     k TEXT;
@@ -111,6 +117,7 @@ RETURNS TABLE (promoted INT, skipped TEXT[])
 LANGUAGE plpgsql
 SET enable_seqscan = off
 SET enable_bitmapscan = off
+SET jit = off
 AS $fn$
 BEGIN
     RETURN QUERY SELECT * FROM "{{schema}}"."{{table}}_promote"(ARRAY(
@@ -136,6 +143,7 @@ RETURNS TABLE (id BIGINT, topic TEXT, payload TEXT, dedupe_key TEXT, headers TEX
 LANGUAGE plpgsql
 SET enable_seqscan = off
 SET enable_bitmapscan = off
+SET jit = off
 AS $fn$
 #variable_conflict use_column
 DECLARE
@@ -236,6 +244,7 @@ RETURNS TABLE (settled INT, promoted INT, skipped TEXT[])
 LANGUAGE plpgsql
 SET enable_seqscan = off
 SET enable_bitmapscan = off
+SET jit = off
 AS $fn$
 DECLARE
     keys TEXT[];
@@ -272,6 +281,7 @@ RETURNS TABLE (settled INT, promoted INT, skipped TEXT[])
 LANGUAGE plpgsql
 SET enable_seqscan = off
 SET enable_bitmapscan = off
+SET jit = off
 AS $fn$
 DECLARE
     keys TEXT[];
@@ -329,6 +339,7 @@ RETURNS TABLE (id BIGINT, topic TEXT, status TEXT, locked_by TEXT)
 LANGUAGE plpgsql
 SET enable_seqscan = off
 SET enable_bitmapscan = off
+SET jit = off
 AS $fn$
 #variable_conflict use_column
 DECLARE
