@@ -479,6 +479,29 @@ class Queries:
             " ORDER BY w.topic"
         )
 
+    # -- observability: the one periodic query behind the queue gauges ------------
+    # (aiooutbox.metrics). Run once per process every interval, never per scrape.
+    @property
+    def queue_gauges(self) -> str:
+        # topic, status, rows, seconds since the oldest claimable row became due (NULL:
+        # none is due yet). Only unfinished rows, through the two partial indexes: the
+        # claimable one (pending, retry) and the lease one (processing), so the history of
+        # done rows costs nothing; dead rows have no index and are not counted here (the
+        # events_total{outcome="dead"} counter is what to alert on). Rows a raw SQL
+        # producer scheduled at -infinity are due but have no age.
+        return (
+            "SELECT topic, status::text, count(*)::bigint,"
+            " extract(epoch FROM (now() - min(available_at)"
+            "  FILTER (WHERE available_at <= now() AND available_at > '-infinity')))::float8"
+            f" FROM {self.qualified} WHERE status IN ('pending', 'retry')"
+            " GROUP BY topic, status"
+            " UNION ALL"
+            " SELECT topic, 'processing', count(*)::bigint, NULL::float8"
+            f" FROM {self.qualified}"
+            " WHERE lease_expires_at IS NOT NULL AND status = 'processing'"
+            " GROUP BY topic"
+        )
+
     # server-wide, for bootstrapping the embedded server's database
     @property
     def database_exists(self) -> str:
