@@ -11,7 +11,6 @@ import json
 import re
 import socket
 import time
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ import aiooutbox
 from aiooutbox._sql import queries
 from aiooutbox.health import ConsumerHealth
 from aiooutbox.metrics import MetricsServer, OutboxMetrics
-from tests.clirunner import Runner, cli, clean_env
+from tests.clirunner import Runner, clean_env, cli
 from tests.faults.private_pg import private_postgres
 from tests.helpers import running, truthy, wait_until
 
