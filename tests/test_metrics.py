@@ -445,3 +445,50 @@ async def test_cli_serves_metrics_and_healthz(dsn: str, pool: asyncpg.Pool) -> N
         assert any(name == "process_cpu_seconds_total" for name, _ in found)  # global registry
         runner.signal()
         assert await runner.wait() == 0
+
+
+# -- docs/web.md: the health snippets run ----------------------------------------------
+
+HEALTH_SNIPPETS = re.findall(
+    r"```python health\n(.*?)```", (ROOT / "docs" / "web.md").read_text(), re.DOTALL
+)
+
+
+def test_web_doc_shows_fastapi_and_aiohttp_health_routes() -> None:
+    assert len(HEALTH_SNIPPETS) == 2
+    assert "FastAPI" in HEALTH_SNIPPETS[0] and "aiohttp" in HEALTH_SNIPPETS[1]
+
+
+@pytest.mark.parametrize("index", range(len(HEALTH_SNIPPETS)))
+async def test_web_doc_health_snippet(
+    index: int, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aiohttp import web
+    from fastapi import FastAPI
+
+    from tests.test_examples import load
+    from tests.test_integrations import serve_aiohttp, serve_asgi
+
+    monkeypatch.setenv("AIOOUTBOX_DSN", dsn)
+    module = load(HEALTH_SNIPPETS[index], 100 + index)
+    app = module.app
+
+    async def get(client: Any, path: str) -> tuple[int, str]:
+        response = await client.get(path)
+        if isinstance(app, FastAPI):
+            return response.status_code, response.text
+        return response.status, await response.text()
+
+    serve = serve_asgi if isinstance(app, FastAPI) else serve_aiohttp
+    assert isinstance(app, (FastAPI, web.Application))
+    async with serve(app) as client:  # type: ignore[operator]
+
+        async def healthy() -> bool:
+            return (await get(client, "/healthz"))[0] == 200
+
+        await wait_until(healthy)
+        status, text = await get(client, "/metrics")
+        assert status == 200
+        assert value(samples(text), "aiooutbox_listener_connected") == 1
+    status = await module.health.check()
+    assert status.http_status == 503 and "not running" in status.reason
