@@ -89,7 +89,6 @@ async def test_request_span_enqueue_and_handler_span_share_one_trace(
         "messaging.message.id": message_id,
         "aiooutbox.event.id": event_id,
         "aiooutbox.attempt": 1,
-        "aiooutbox.max_attempts": 5,
         "aiooutbox.outcome": "done",
     }
     assert span.status.status_code is StatusCode.UNSET
@@ -260,3 +259,15 @@ async def test_the_runner_traces_handlers_when_opentelemetry_is_installed(
         assert len(match.group(1)) == 32
         runner.signal()
         assert await runner.wait() == 0
+
+
+def test_without_an_sdk_handlers_run_without_a_span() -> None:
+    event = aiooutbox.Event(
+        1, "t", {}, None, {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}
+    )
+    for provider in (trace.NoOpTracerProvider(), trace.ProxyTracerProvider()):
+        observer = TracingObserver(provider)
+        token = observer.handler_started(event)
+        assert token is None
+        observer.handler_finished(event, token, "done", 0.001, None)
+        assert not trace.get_current_span().get_span_context().is_valid
