@@ -484,10 +484,11 @@ class Queries:
     @property
     def queue_gauges(self) -> str:
         # topic, status, rows, seconds since the oldest claimable row became due (NULL:
-        # none is due yet). Only unfinished rows, through the two partial indexes: the
-        # claimable one (pending, retry) and the lease one (processing), so the history of
-        # done rows costs nothing; dead rows have no index and are not counted here (the
-        # events_total{outcome="dead"} counter is what to alert on). Rows a raw SQL
+        # none is due yet). Only unfinished rows, each status through its partial index:
+        # pending and retry through the topic-first claimable index, processing through
+        # the lease index, waiting (ordered events behind their key's head) through the
+        # key index; the history of done rows costs nothing. Dead rows have no index and
+        # are not counted here (alert on events_total{outcome="dead"}). Rows a raw SQL
         # producer scheduled at -infinity are due but have no age.
         return (
             "SELECT topic, status::text, count(*)::bigint,"
@@ -499,6 +500,11 @@ class Queries:
             " SELECT topic, 'processing', count(*)::bigint, NULL::float8"
             f" FROM {self.qualified}"
             " WHERE lease_expires_at IS NOT NULL AND status = 'processing'"
+            " GROUP BY topic"
+            " UNION ALL"
+            " SELECT topic, 'waiting', count(*)::bigint, NULL::float8"
+            f" FROM {self.qualified}"
+            " WHERE ordering_key IS NOT NULL AND status = 'waiting'"
             " GROUP BY topic"
         )
 

@@ -226,7 +226,7 @@ class _QueueCollector(Collector):
         queue = self._metrics._queue
         depth = GaugeMetricFamily(
             "aiooutbox_queue_depth",
-            "Unfinished events in the table by topic and status (pending, retry, processing).",
+            "Unfinished events by topic and status (pending, retry, processing, waiting).",
             labels=["topic", "status"],
         )
         lag = GaugeMetricFamily(

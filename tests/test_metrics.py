@@ -218,15 +218,20 @@ async def test_queue_gauges_query_reads_only_unfinished_rows_of_a_big_table(
         " SELECT 't1', '{}', 'processing', 'w', now() + interval '1 minute'"
         " FROM generate_series(1, 20)"
     )
+    for key in ("a", "b"):  # an ordered key: one head, the rest waiting
+        for _ in range(3):
+            await aiooutbox.enqueue(conn, "t2", {}, ordering_key=key)
     await conn.execute("ANALYZE outbox_events")
     plan = "\n".join(r[0] for r in await conn.fetch("EXPLAIN " + q.queue_gauges))
     assert "Seq Scan" not in plan, plan
-    assert "outbox_events_claimable_idx" in plan, plan
+    assert "outbox_events_topic_claimable_idx" in plan, plan
+    assert "outbox_events_key_idx" in plan, plan
     assert "outbox_events_lease_idx" in plan, plan
     rows = await conn.fetch(q.queue_gauges)
     depth = {(r[0], r[1]): r[2] for r in rows}
-    assert sum(v for (_, s), v in depth.items() if s == "pending") == 500
+    assert sum(v for (_, s), v in depth.items() if s == "pending") == 502
     assert depth[("t1", "processing")] == 20
+    assert depth[("t2", "waiting")] == 4
 
 
 async def test_healthz_is_503_while_the_database_is_down_and_200_after() -> None:
