@@ -21,6 +21,7 @@ Every metric, its labels and alert rules are in docs/observability.md.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import random
@@ -34,8 +35,13 @@ import asyncpg
 from anyio.abc import TaskStatus
 
 try:
-    from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
-    from prometheus_client.core import GaugeMetricFamily, Metric
+    from prometheus_client import REGISTRY, CollectorRegistry
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+        Metric,
+    )
     from prometheus_client.exposition import choose_encoder
     from prometheus_client.registry import Collector
 except ImportError as exc:  # pragma: no cover - exercised by the packaging test
@@ -84,48 +90,38 @@ class OutboxMetrics(Observer):
         handler_buckets: tuple[float, ...] = HANDLER_BUCKETS,
     ) -> None:
         self.registry = REGISTRY if registry is None else registry
-        r = self.registry
-        self._events = Counter(
-            "aiooutbox_events_total",
-            "Outcomes recorded by this process: done, retry, dead, released.",
-            ["topic", "outcome"],
-            registry=r,
-        )
-        self._handler = Histogram(
-            "aiooutbox_handler_duration_seconds",
-            "Wall time of one handler run, whatever its outcome.",
-            ["topic"],
-            buckets=handler_buckets,
-            registry=r,
-        )
-        self._claim = Histogram(
-            "aiooutbox_claim_duration_seconds",
-            "Round trip of one claim statement, empty claims included.",
-            buckets=CLAIM_BUCKETS,
-            registry=r,
-        )
-        self._claimed = Counter(
-            "aiooutbox_claimed_total", "Events claimed by this process.", registry=r
-        )
-        self._claims = Counter(
-            "aiooutbox_claims_total", "Claim statements run by this process.", registry=r
-        )
+        bounds = tuple(sorted(float(b) for b in handler_buckets))
+        if not bounds or any(not b > 0 for b in bounds) or len(set(bounds)) != len(bounds):
+            raise InvalidArgument("handler_buckets must be distinct positive upper bounds")
+        # Plain Python counters, read at scrape time by `_EventCollector`: prometheus_client's
+        # own Counter/Histogram take a lock per update (measured here: ~7 us per event for
+        # the outcome and the duration, against ~2 us this way). Every update happens on
+        # the event loop; a scrape from another thread copies them first.
+        self._handler_bounds = bounds
+        self._outcomes: dict[tuple[str, str], int] = {}
+        self._handler: dict[str, _Histogram] = {}
+        self._claim = _Histogram(CLAIM_BUCKETS)
+        self._claimed = 0
         self._consumers: weakref.WeakSet[OutboxConsumer] = weakref.WeakSet()
-        self._gauges = _ConsumerGauges(self._consumers)
-        r.register(self._gauges)
         self._queue: QueueGauges | None = None
-        self._queue_collector = _QueueCollector(self)
-        r.register(self._queue_collector)
-        # label children cached: .labels() costs a lock and a dict lookup per event
-        self._outcome_children: dict[tuple[str, str], Any] = {}
-        self._handler_children: dict[str, Any] = {}
+        self._collectors = (
+            _EventCollector(self),
+            _ConsumerGauges(self._consumers),
+            _QueueCollector(self),
+        )
+        registered: list[Collector] = []
+        try:
+            for collector in self._collectors:
+                self.registry.register(collector)
+                registered.append(collector)
+        except ValueError:
+            for done in registered:
+                self.registry.unregister(done)
+            raise
 
     def unregister(self) -> None:
         """Remove every family from the registry (a test, or a second instance)."""
-        for collector in (
-            self._events, self._handler, self._claim, self._claimed, self._claims,
-            self._gauges, self._queue_collector,
-        ):  # fmt: skip
+        for collector in self._collectors:
             with contextlib.suppress(KeyError):
                 self.registry.unregister(collector)
 
@@ -134,25 +130,20 @@ class OutboxMetrics(Observer):
         self._consumers.add(consumer)
 
     def claimed(self, rows: int, seconds: float) -> None:
-        self._claims.inc()
-        if rows:
-            self._claimed.inc(rows)
+        self._claimed += rows
         self._claim.observe(seconds)
 
     def handler_finished(
         self, event: Event, token: Any, outcome: str, seconds: float, error: BaseException | None
     ) -> None:
-        child = self._handler_children.get(event.topic)
-        if child is None:
-            child = self._handler_children[event.topic] = self._handler.labels(event.topic)
-        child.observe(seconds)
+        histogram = self._handler.get(event.topic)
+        if histogram is None:
+            histogram = self._handler[event.topic] = _Histogram(self._handler_bounds)
+        histogram.observe(seconds)
 
     def settled(self, topic: str, outcome: str) -> None:
         key = (topic, outcome)
-        child = self._outcome_children.get(key)
-        if child is None:
-            child = self._outcome_children[key] = self._events.labels(topic, outcome)
-        child.inc()
+        self._outcomes[key] = self._outcomes.get(key, 0) + 1
 
     # -- the table's gauges ----------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -182,6 +173,74 @@ class OutboxMetrics(Observer):
                 await asyncio.wait([loop])
             if not loop.cancelled() and loop.exception() is not None:
                 logger.error("queue gauges loop failed", exc_info=loop.exception())
+
+
+class _Histogram:
+    """Bucket counts (not cumulative), sum and count; cumulated at scrape time."""
+
+    __slots__ = ("bounds", "count", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def buckets(self) -> list[tuple[str, float]]:
+        counts = list(self.counts)
+        out: list[tuple[str, float]] = []
+        running = 0
+        for bound, n in zip(self.bounds, counts, strict=False):
+            running += n
+            out.append((repr(bound), running))
+        out.append(("+Inf", running + counts[-1]))
+        return out
+
+
+class _EventCollector(Collector):
+    """The counters and histograms `OutboxMetrics` keeps, as Prometheus families."""
+
+    def __init__(self, metrics: OutboxMetrics) -> None:
+        self._m = metrics
+
+    def describe(self) -> list[Metric]:
+        return list(self._families())  # names only: lets the registry refuse duplicates
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families(values=True))
+
+    def _families(self, values: bool = False) -> list[Metric]:
+        m = self._m
+        events = CounterMetricFamily(
+            "aiooutbox_events",
+            "Outcomes recorded by this process: done, retry, dead, released.",
+            labels=["topic", "outcome"],
+        )
+        handler = HistogramMetricFamily(
+            "aiooutbox_handler_duration_seconds",
+            "Wall time of one handler run, whatever its outcome.",
+            labels=["topic"],
+        )
+        claim = HistogramMetricFamily(
+            "aiooutbox_claim_duration_seconds",
+            "Round trip of one claim statement, empty claims included.",
+        )
+        claimed = CounterMetricFamily("aiooutbox_claimed", "Events claimed by this process.")
+        claims = CounterMetricFamily("aiooutbox_claims", "Claim statements run by this process.")
+        if values:
+            for (topic, outcome), n in sorted(m._outcomes.items()):
+                events.add_metric([topic, outcome], n)
+            for topic, h in sorted(m._handler.items()):
+                handler.add_metric([topic], h.buckets(), h.sum)
+            claim.add_metric([], m._claim.buckets(), m._claim.sum)
+            claimed.add_metric([], m._claimed)
+            claims.add_metric([], m._claim.count)
+        return [events, handler, claim, claimed, claims]
 
 
 class _ConsumerGauges(Collector):

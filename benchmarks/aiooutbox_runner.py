@@ -289,3 +289,61 @@ async def observing(variant: str, pool: asyncpg.Pool) -> AsyncIterator[Callable[
         yield lambda: [TracingObserver(provider)]
     finally:
         provider.shutdown()
+
+
+def hook_cost_us(variant: str, n: int = 20_000) -> float:
+    """Microseconds per event that a variant's observers add, timed in this process:
+    the calls a consumer makes per event (claimed once per 100 events), through the
+    same fan-out, on events carrying a traceparent."""
+    import uuid
+
+    from aiooutbox.events import Event
+    from aiooutbox.observe import Observers
+
+    observers: list[Any]
+    provider: Any = None
+    if variant == "metrics":
+        from prometheus_client import CollectorRegistry
+
+        from aiooutbox.health import ConsumerHealth
+        from aiooutbox.metrics import OutboxMetrics
+
+        observers = [OutboxMetrics(CollectorRegistry()), ConsumerHealth()]
+    else:
+        from opentelemetry import trace
+
+        from aiooutbox.tracing import TracingObserver
+
+        if variant == "tracing":
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import (
+                BatchSpanProcessor,
+                SpanExporter,
+                SpanExportResult,
+            )
+
+            class Discard(SpanExporter):
+                def export(self, spans: Any) -> SpanExportResult:
+                    return SpanExportResult.SUCCESS
+
+            provider = TracerProvider()
+            provider.add_span_processor(BatchSpanProcessor(Discard()))
+            observers = [TracingObserver(provider)]
+        else:
+            observers = [TracingObserver(trace.ProxyTracerProvider())]
+    fan_out = Observers(observers)
+    headers = {"traceparent": "00-" + uuid.uuid4().hex + "-" + uuid.uuid4().hex[:16] + "-01"}
+    event = Event(1, TOPIC, {}, None, headers, 1, 5, None, str(uuid.uuid4()))
+    best = float("inf")
+    for _ in range(3):  # the best of three: the least disturbed by other processes
+        started = time.perf_counter()
+        for i in range(n):
+            if i % 100 == 0:
+                fan_out.claimed(100, 0.001)
+            token = fan_out.handler_started(event)
+            fan_out.settled(TOPIC, "done")
+            fan_out.handler_finished(event, token, "done", 0.001, None)
+        best = min(best, (time.perf_counter() - started) / n * 1e6)
+    if provider is not None:
+        provider.shutdown()
+    return best

@@ -317,6 +317,16 @@ def markdown(results: dict[str, Any]) -> str:
             "| ratio | value |",
             "|---|---:|",
             *(f"| {k} | {_fmt(v, 3)} |" for k, v in observe["ratios"].items()),
+            "",
+            "Hook cost per event, timed in-process (best of 3), and the drain ratio it"
+            " implies at the `off` rate:",
+            "",
+            "| variant | us/event | implied ratio |",
+            "|---|---:|---:|",
+            *(
+                f"| {k} | {_fmt(v, 2)} | {_fmt(observe['implied_ratios'].get(k), 3)} |"
+                for k, v in observe.get("hook_us_per_event", {}).items()
+            ),
         ]
     rss = results.get("rss", {})
     if rss:

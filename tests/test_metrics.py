@@ -345,7 +345,8 @@ def _metric_names() -> set[str]:
     registry = CollectorRegistry()
     metrics = OutboxMetrics(registry)
     metrics.settled("t", "done")
-    metrics._handler.labels("t").observe(0.1)
+    metrics.claimed(1, 0.01)
+    metrics.handler_finished(aiooutbox.Event(1, "t", {}, None), None, "done", 0.1, None)
     names = {f.name for f in registry.collect()}
     names |= {s.name for f in registry.collect() for s in f.samples}
     names |= {
@@ -497,3 +498,22 @@ async def test_web_doc_health_snippet(
         assert value(samples(text), "aiooutbox_listener_connected") == 1
     status = await module.health.check()
     assert status.http_status == 503 and "not running" in status.reason
+
+
+def test_histogram_buckets_are_cumulative_and_inclusive(registry: CollectorRegistry) -> None:
+    metrics = OutboxMetrics(registry)
+    event = aiooutbox.Event(1, "t", {}, None)
+    for seconds in (0.0005, 0.001, 0.0011, 70.0, 1000.0):
+        metrics.handler_finished(event, None, "done", seconds, None)
+    found = samples(_exposition(registry))
+
+    def bucket(le: str) -> float | None:
+        return value(found, "aiooutbox_handler_duration_seconds_bucket", topic="t", le=le)
+
+    assert (bucket("0.001"), bucket("0.0025"), bucket("60.0"), bucket("120.0")) == (2, 3, 3, 4)
+    assert bucket("+Inf") == 5
+    assert value(found, "aiooutbox_handler_duration_seconds_count", topic="t") == 5
+    total = value(found, "aiooutbox_handler_duration_seconds_sum", topic="t")
+    assert total == pytest.approx(1070.0026)
+    with pytest.raises(aiooutbox.InvalidArgument):
+        OutboxMetrics(CollectorRegistry(), handler_buckets=(1.0, 1.0))
