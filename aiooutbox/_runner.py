@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import errno
 import importlib
-import importlib.util
 import inspect
 import logging
 import os
@@ -216,12 +215,14 @@ class Telemetry:
         self.observers: list[Observer] = [self.health]
         if metrics is not None:
             self.observers.append(metrics)
-        if importlib.util.find_spec("opentelemetry") is not None:
-            from .tracing import TracingObserver
+        from .tracing import TracingObserver
 
+        try:
             # spans go wherever the SDK the handlers module configured sends them; with
-            # the API alone they are no-ops
+            # the API alone (or no SDK configured) handlers run without one, at no cost
             self.observers.append(TracingObserver())
+        except ImportError:
+            logger.debug("opentelemetry-api is not installed: handlers are not traced")
 
     @contextlib.asynccontextmanager
     async def queue_gauges(

@@ -111,8 +111,10 @@ class ConsumerHealth(Observer):
         if self._seen_running is None:
             self._seen_running = now
         limit = self.max_silence
+        # before its first claim, the consumer is given max_silence from when a check
+        # first saw it running
         since = self._last_claim if self._last_claim is not None else self._seen_running
-        silence = max(0.0, now - max(since, self._seen_running))
+        silence = max(0.0, now - since)
         details: dict[str, Any] = {
             "worker_id": consumer.worker_id,
             "in_flight": consumer.stats.in_flight,

@@ -19,6 +19,8 @@ imported only by code that needs it (once, cached), so without it nothing costs.
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -85,9 +87,9 @@ class TracingObserver(Observer):
     exception, sets ``error.type`` and the span status to ERROR; a release (the
     consumer stopped first) does neither.
     ``tracer_provider=None`` uses the global provider, read at each span so an SDK
-    configured after the consumer was built is still used; while none is configured
-    (the API's proxy or no-op provider) handlers run without a span, at no cost, and
-    the incoming context is not passed through.
+    configured after the consumer was built is still used (within a second); while none
+    is configured (the API's proxy or no-op provider) handlers run without a span, at
+    no cost, and the incoming context is not passed through.
     """
 
     def __init__(self, tracer_provider: Any = None) -> None:
@@ -98,20 +100,30 @@ class TracingObserver(Observer):
             )
         self._provider = tracer_provider
         self._tracer: Any = None
-        self._tracer_of: Any = None
+        self._recheck_at = -math.inf
         self._kind = api[2].SpanKind.CONSUMER
 
     def _get_tracer(self) -> Any:
-        """The tracer of the provider in force, or None while no SDK is configured."""
+        """The tracer of the provider in force, or None while no SDK is configured.
+
+        A real provider never changes once set (the API allows setting it once), so its
+        tracer is kept; while there is none, the global provider is looked up again at
+        most once a second (the lookup alone costs ~3 us, per event that adds up).
+        """
+        tracer = self._tracer
+        if tracer is not None:
+            return tracer
+        now = time.monotonic()
+        if now < self._recheck_at:
+            return None
+        self._recheck_at = now + 1.0
         trace = _otel()[2]
         provider = self._provider or trace.get_tracer_provider()
-        if provider is not self._tracer_of:
-            if isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider)):
-                return None
-            from ._version import __version__
+        if isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider)):
+            return None
+        from ._version import __version__
 
-            self._tracer = provider.get_tracer("aiooutbox", __version__)
-            self._tracer_of = provider
+        self._tracer = provider.get_tracer("aiooutbox", __version__)
         return self._tracer
 
     def handler_started(self, event: Event) -> Any:
