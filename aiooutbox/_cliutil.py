@@ -158,7 +158,22 @@ def _optional_duration(text: str) -> float | None:
     return admin.parse_duration(text)
 
 
+def _port(text: str) -> int:
+    if not re.fullmatch(r"\s*\d+\s*", text) or not 0 <= int(text) <= 65535:
+        raise InvalidArgument(f"expected a TCP port between 0 and 65535, got {_clip(text)!r}")
+    return int(text)
+
+
+def _host(text: str) -> str:
+    host = text.strip().removeprefix("[").removesuffix("]")
+    if not host or any(c.isspace() or c in "/?#@" for c in host):
+        raise InvalidArgument(f"expected a host name or IP address, got {_clip(text)!r}")
+    return host
+
+
 POSITIVE_INT = _argument_type(_positive_int, "positive_int")
+PORT = _argument_type(_port, "port")
+HOST = _argument_type(_host, "host")
 DURATION = _argument_type(admin.parse_duration, "duration")
 OPTIONAL_DURATION = _argument_type(_optional_duration, "duration")
 NUMBER = _argument_type(_number, "number")
@@ -280,6 +295,46 @@ def check_listen_options(args: argparse.Namespace) -> None:
             "(notifications go to whichever client has the server connection); pass "
             "--listen-dsn with a DSN straight to PostgreSQL, or --no-listen to poll"
         )
+
+
+def add_metrics_options(parser: argparse.ArgumentParser) -> None:
+    """``--metrics-port`` / ``--metrics-host``: serve ``/metrics`` and ``/healthz``.
+
+    Shared by the long-running commands (``run``, ``relay``); `check_metrics_options`
+    validates the pair and ``_runner.telemetry`` serves them.
+    """
+    group = parser.add_argument_group("metrics and health")
+    group.add_argument(
+        "--metrics-port",
+        type=PORT,
+        metavar="PORT",
+        default=env_default("AIOOUTBOX_METRICS_PORT", PORT, None),
+        help="serve Prometheus /metrics and /healthz on this port (0: any free port; "
+        'needs the prometheus extra: pip install "aiooutbox[prometheus]"; '
+        "env AIOOUTBOX_METRICS_PORT; default: no server)",
+    )
+    group.add_argument(
+        "--metrics-host",
+        type=HOST,
+        metavar="HOST",
+        default=env_default("AIOOUTBOX_METRICS_HOST", HOST, None),
+        help="address to serve them on; 0.0.0.0 (or ::) for every interface "
+        "(env AIOOUTBOX_METRICS_HOST; default 127.0.0.1)",
+    )
+
+
+def check_metrics_options(args: argparse.Namespace) -> None:
+    """Refuse ``--metrics-host`` without a port, and a missing prometheus_client."""
+    if args.metrics_port is None:
+        if args.metrics_host is not None:
+            raise UsageError("--metrics-host needs --metrics-port (or $AIOOUTBOX_METRICS_PORT)")
+        return
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        raise UsageError(
+            '--metrics-port needs prometheus_client: pip install "aiooutbox[prometheus]"'
+        ) from None
 
 
 def add_logging_options(parser: argparse.ArgumentParser, level: str) -> None:

@@ -16,8 +16,17 @@ LEVELS = ("debug", "info", "warning", "error", "critical")
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
 
 
+def _trace_ids() -> tuple[str, str] | None:
+    """The current OpenTelemetry span's ids, if OpenTelemetry is importable (checked
+    once, in `aiooutbox.tracing`) and a span is current."""
+    from .tracing import current_ids
+
+    return current_ids()
+
+
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message, then the record's extras."""
+    """One JSON object per line: time, level, logger, message, the record's extras, and
+    ``trace_id``/``span_id`` while an OpenTelemetry span is current."""
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
@@ -29,6 +38,10 @@ class JsonFormatter(logging.Formatter):
         for key, value in vars(record).items():
             if key not in _STANDARD and not key.startswith("_"):
                 entry.setdefault(key, value)
+        ids = _trace_ids()
+        if ids is not None:
+            entry.setdefault("trace_id", ids[0])
+            entry.setdefault("span_id", ids[1])
         if record.exc_info:
             entry["exc_info"] = self.formatException(record.exc_info)
         return json.dumps(entry, default=str, ensure_ascii=False)

@@ -5,14 +5,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import importlib
 import inspect
 import logging
 import os
 import signal
+import socket
 import sys
 import traceback
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import asyncpg
@@ -23,6 +25,7 @@ from ._cliutil import (
     UsageError,
     apply_migrations,
     check_listen_options,
+    check_metrics_options,
     open_pool,
     redact,
     resolve_dsn,
@@ -30,9 +33,11 @@ from ._cliutil import (
 from .consumer import OutboxConsumer
 from .errors import InvalidArgument
 from .handlers import Handler, resolve_handlers
+from .health import ConsumerHealth
+from .observe import Observer
 from .retry import RetryPolicy
 
-__all__ = ["cmd_run", "load_handlers"]
+__all__ = ["Telemetry", "cmd_run", "load_handlers", "telemetry"]
 
 logger = logging.getLogger("aiooutbox.cli")
 
@@ -190,6 +195,7 @@ async def cmd_run(args: argparse.Namespace) -> int:
     except InvalidArgument as exc:
         raise UsageError(str(exc)) from None
     check_listen_options(args)
+    check_metrics_options(args)
     with _Signals() as signals:
         try:
             return await _serve(args, handlers, signals)
@@ -199,12 +205,90 @@ async def cmd_run(args: argparse.Namespace) -> int:
             return 0
 
 
+class Telemetry:
+    """What a long-running command observes itself with: the observers to give its
+    consumer, and (with ``--metrics-port``) the metrics behind ``/metrics``."""
+
+    def __init__(self, metrics: Any = None) -> None:
+        self.metrics = metrics  # aiooutbox.metrics.OutboxMetrics, or None
+        self.health = ConsumerHealth()
+        self.observers: list[Observer] = [self.health]
+        if metrics is not None:
+            self.observers.append(metrics)
+        from .tracing import TracingObserver
+
+        try:
+            # spans go wherever the SDK the handlers module configured sends them; with
+            # the API alone (or no SDK configured) handlers run without one, at no cost
+            self.observers.append(TracingObserver())
+        except ImportError:
+            logger.debug("opentelemetry-api is not installed: handlers are not traced")
+
+    @contextlib.asynccontextmanager
+    async def queue_gauges(
+        self, pool: asyncpg.Pool, args: argparse.Namespace
+    ) -> AsyncIterator[None]:
+        """Refresh the table-level gauges while the block runs (with metrics only)."""
+        if self.metrics is None:
+            yield
+            return
+        async with self.metrics.queue_gauges(pool, schema=args.schema, table=args.table):
+            yield
+
+
+@contextlib.asynccontextmanager
+async def telemetry(args: argparse.Namespace) -> AsyncIterator[Telemetry]:
+    """Serve ``/metrics`` and ``/healthz`` on ``--metrics-port`` while the block runs.
+
+    Binds before anything connects, so a port in use fails the command at once
+    (`CommandError`, exit 1); an unknown host is a `UsageError` (exit 2). Without
+    ``--metrics-port`` it serves nothing and imports no prometheus_client.
+    """
+    if args.metrics_port is None:
+        yield Telemetry()
+        return
+    from .metrics import MetricsServer, OutboxMetrics
+
+    metrics = OutboxMetrics()  # the global registry: process_* and python_* come along
+    found = Telemetry(metrics)
+    host = args.metrics_host or "127.0.0.1"
+    where = f"--metrics-port {args.metrics_port}"
+    server = MetricsServer(metrics.registry, found.health, host=host, port=args.metrics_port)
+    try:
+        await server.__aenter__()
+    except socket.gaierror as exc:
+        raise UsageError(f"--metrics-host {host}: unknown host ({exc.strerror})") from None
+    except OSError as exc:
+        reason = (
+            "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror or str(exc)
+        )
+        raise CommandError(
+            f"{where}: cannot listen on {host}:{args.metrics_port}: {reason}"
+        ) from None
+    try:
+        yield found
+    finally:
+        await server.__aexit__(None, None, None)
+        metrics.unregister()
+
+
 async def _serve(args: argparse.Namespace, handlers: dict[str, Handler], signals: _Signals) -> int:
+    async with telemetry(args) as observed:
+        return await _consume(args, handlers, signals, observed)
+
+
+async def _consume(
+    args: argparse.Namespace, handlers: dict[str, Handler], signals: _Signals, observed: Telemetry
+) -> int:
     dsn = await resolve_dsn(args, log=True)
-    async with open_pool(dsn, pgbouncer=args.pgbouncer) as pool:
+    async with (
+        open_pool(dsn, pgbouncer=args.pgbouncer) as pool,
+        contextlib.AsyncExitStack() as stack,
+    ):
         if args.migrate:
             applied = await apply_migrations(pool, args)
             logger.info("schema %s", f"migrated to {applied}" if applied else "up to date")
+        await stack.enter_async_context(observed.queue_gauges(pool, args))
         topics = sorted(args.topics or handlers)
         consumer = OutboxConsumer(
             pool,
@@ -221,6 +305,7 @@ async def _serve(args: argparse.Namespace, handlers: dict[str, Handler], signals
             listen_dsn=args.listen_dsn,
             schema=args.schema,
             table=args.table,
+            observers=observed.observers,
         )
         async with consumer:
             signals.consumer = consumer

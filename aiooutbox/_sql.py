@@ -479,6 +479,35 @@ class Queries:
             " ORDER BY w.topic"
         )
 
+    # -- observability: the one periodic query behind the queue gauges ------------
+    # (aiooutbox.metrics). Run once per process every interval, never per scrape.
+    @property
+    def queue_gauges(self) -> str:
+        # topic, status, rows, seconds since the oldest claimable row became due (NULL:
+        # none is due yet). Only unfinished rows, each status through its partial index:
+        # pending and retry through the topic-first claimable index, processing through
+        # the lease index, waiting (ordered events behind their key's head) through the
+        # key index; the history of done rows costs nothing. Dead rows have no index and
+        # are not counted here (alert on events_total{outcome="dead"}). Rows a raw SQL
+        # producer scheduled at -infinity are due but have no age.
+        return (
+            "SELECT topic, status::text, count(*)::bigint,"
+            " extract(epoch FROM (now() - min(available_at)"
+            "  FILTER (WHERE available_at <= now() AND available_at > '-infinity')))::float8"
+            f" FROM {self.qualified} WHERE status IN ('pending', 'retry')"
+            " GROUP BY topic, status"
+            " UNION ALL"
+            " SELECT topic, 'processing', count(*)::bigint, NULL::float8"
+            f" FROM {self.qualified}"
+            " WHERE lease_expires_at IS NOT NULL AND status = 'processing'"
+            " GROUP BY topic"
+            " UNION ALL"
+            " SELECT topic, 'waiting', count(*)::bigint, NULL::float8"
+            f" FROM {self.qualified}"
+            " WHERE ordering_key IS NOT NULL AND status = 'waiting'"
+            " GROUP BY topic"
+        )
+
     # server-wide, for bootstrapping the embedded server's database
     @property
     def database_exists(self) -> str:

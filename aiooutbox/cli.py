@@ -40,6 +40,7 @@ from ._cliutil import (
     add_database_options,
     add_listen_options,
     add_logging_options,
+    add_metrics_options,
     apply_migrations,
     choices,
     database,
@@ -181,6 +182,7 @@ def build_parser(prog: str = "aiooutbox") -> argparse.ArgumentParser:
             help=f"{what} (env {env}; default {shown})",
         )
     add_listen_options(run)
+    add_metrics_options(run)
     add_database_options(run)
     add_logging_options(run, "info")
 

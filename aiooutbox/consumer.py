@@ -171,6 +171,7 @@ class OutboxConsumer:
         self._listener: Listener | None = None
         self._settler: Settler | None = None
         self._handlers: dict[str, Handler] = {}
+        self._observers.attached(self)
 
     @classmethod
     def from_options(cls, pool: asyncpg.Pool, options: ConsumerOptions) -> OutboxConsumer:
@@ -219,6 +220,11 @@ class OutboxConsumer:
     def listening(self) -> bool:
         """True while the LISTEN connection is up."""
         return self._listener is not None and self._listener.connected
+
+    @property
+    def settle_backlog(self) -> int:
+        """Outcomes recorded but not yet written to the database."""
+        return 0 if self._settler is None else self._settler.backlog
 
     async def wait_started(self) -> None:
         """Wait until `run()` is consuming: schema checked, LISTEN connection up.

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .events import Event
+
+if TYPE_CHECKING:
+    from .consumer import OutboxConsumer
 
 __all__ = ["Observer"]
 
@@ -24,6 +27,12 @@ OUTCOMES = ("done", "retry", "dead", "released")
 
 class Observer:
     """Base class: every hook does nothing. Override the ones you need."""
+
+    def attached(self, consumer: OutboxConsumer) -> None:
+        """``consumer`` was created with this observer: keep it to read its gauges.
+
+        Called once, from ``OutboxConsumer()``; unlike the other hooks, an error raised
+        here propagates (an observer refusing a second consumer is misuse)."""
 
     def claimed(self, rows: int, seconds: float) -> None:
         """A claim returned ``rows`` rows (possibly 0) after ``seconds``."""
@@ -62,6 +71,11 @@ class Observers(Observer):
 
     def __bool__(self) -> bool:
         return bool(self._all)
+
+    def attached(self, consumer: OutboxConsumer) -> None:
+        # called once, from OutboxConsumer(): an observer refusing it (misuse) raises there
+        for o in self._all:
+            o.attached(consumer)
 
     def claimed(self, rows: int, seconds: float) -> None:
         for o in self._all:

@@ -9,7 +9,7 @@ psycopg, SQLAlchemy or Django connections, and `aiooutbox.sync` is the blocking 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -132,14 +132,34 @@ def _check_dedupe_key(key: object, where: str) -> str | None:
     return key
 
 
+# The tracing hook: `aiooutbox.tracing.inject`, looked up on first use; None once
+# OpenTelemetry proved not importable, so then it costs one global read per event.
+_inject_trace: Callable[[Mapping[str, Any] | None], Mapping[str, Any] | None] | None
+_inject_trace = None
+_trace_looked_up = False
+
+
+def _with_trace_context(headers: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """``headers`` plus the current OpenTelemetry context (if any; caller's keys win)."""
+    global _inject_trace, _trace_looked_up
+    if not _trace_looked_up:
+        from . import tracing
+
+        _inject_trace = tracing.inject if tracing._otel() else None
+        _trace_looked_up = True
+    return headers if _inject_trace is None else _inject_trace(headers)
+
+
 def _check_headers(headers: object, encoder: Encoder | None, where: str) -> str:
+    if headers is not None:
+        if not isinstance(headers, Mapping):
+            raise TypeError(f"{where}headers must be a mapping, not {type(headers).__name__}")
+        for name in headers:
+            if not isinstance(name, str):
+                raise TypeError(f"{where}header names must be str, got {name!r}")
+    headers = _with_trace_context(headers)
     if headers is None:
         return "{}"
-    if not isinstance(headers, Mapping):
-        raise TypeError(f"{where}headers must be a mapping, not {type(headers).__name__}")
-    for name in headers:
-        if not isinstance(name, str):
-            raise TypeError(f"{where}header names must be str, got {name!r}")
     return encode_json(dict(headers), f"{where}headers", encoder)
 
 

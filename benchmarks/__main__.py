@@ -17,7 +17,7 @@ from pathlib import Path
 from . import report
 from .scenarios import Bench, Config
 
-SCENARIOS = ("drain", "history", "steady", "wakeup", "producers", "drivers")
+SCENARIOS = ("drain", "history", "steady", "wakeup", "producers", "drivers", "observe")
 DEFAULT_OUT = Path("benchmarks/results")
 
 

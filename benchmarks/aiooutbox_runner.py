@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sys
 import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,10 +71,17 @@ class System:
         finally:
             await conn.close()
 
-    async def load(self, n: int, *, history: bool = False) -> None:
+    async def load(self, n: int, *, history: bool = False, traceparent: bool = False) -> None:
         """Insert ``n`` no-op events (or ``done`` history rows) with plain SQL, then
-        VACUUM ANALYZE, as autovacuum would have after a load (it is off on our server)."""
-        if history:
+        VACUUM ANALYZE, as autovacuum would have after a load (it is off on our server).
+        ``traceparent``: each event carries one, as if a traced request enqueued it."""
+        if traceparent:
+            columns = "topic, payload, headers"
+            values = (
+                "'bench', jsonb_build_object('i', g), jsonb_build_object('traceparent',"
+                " '00-' || md5(g::text) || '-' || left(md5(g::text || 's'), 16) || '-01')"
+            )
+        elif history:
             columns = "topic, payload, status, attempts, locked_by, finished_at"
             values = (
                 "'bench', jsonb_build_object('i', g), 'done', 1, 'history',"
@@ -197,8 +207,15 @@ async def consume(dsn: str, settings: dict[str, Any], recorder: Any, stop: async
             recorder.count()
 
     copies = int(settings.get("consumers", 1))
-    async with asyncpg.create_pool(dsn, min_size=pool_size, max_size=pool_size) as pool:
-        consumers = [aiooutbox.OutboxConsumer(pool, **options) for _ in range(copies)]
+    observe = settings.get("observe", "off")
+    async with (
+        asyncpg.create_pool(dsn, min_size=pool_size, max_size=pool_size) as pool,
+        observing(observe, pool) as make_observers,
+    ):
+        consumers = [
+            aiooutbox.OutboxConsumer(pool, **options, observers=make_observers())
+            for _ in range(copies)
+        ]
         for consumer in consumers:
             await consumer.__aenter__()
 
@@ -222,3 +239,111 @@ async def consume(dsn: str, settings: dict[str, Any], recorder: Any, stop: async
                 await consumer.__aexit__(None, None, None)
         stats = [vars(c.stats) for c in consumers]
         recorder.extra["stats"] = {k: sum(s[k] for s in stats) for k in stats[0]}
+
+
+class _NoOtel:
+    """A meta path finder that makes opentelemetry unimportable, as if not installed."""
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+        if name == "opentelemetry" or name.startswith("opentelemetry."):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+
+
+@contextlib.asynccontextmanager
+async def observing(variant: str, pool: asyncpg.Pool) -> AsyncIterator[Callable[[], list[Any]]]:
+    """Child side: a factory of each consumer's observers for one benchmark variant."""
+    if variant in ("off", "otel_absent"):
+        if variant == "otel_absent":
+            if any(m.startswith("opentelemetry") for m in sys.modules):
+                raise RuntimeError("opentelemetry was imported before the variant was set")
+            sys.meta_path.insert(0, _NoOtel())
+        yield list
+        return
+    if variant == "metrics":
+        from prometheus_client import CollectorRegistry
+
+        from aiooutbox.health import ConsumerHealth
+        from aiooutbox.metrics import OutboxMetrics
+
+        metrics = OutboxMetrics(CollectorRegistry())
+        async with metrics.queue_gauges(pool):
+            yield lambda: [metrics, ConsumerHealth()]
+        return
+    from aiooutbox.tracing import TracingObserver
+
+    if variant == "otel_api":  # the API's default: a no-op provider, no SDK configured
+        yield lambda: [TracingObserver()]
+        return
+    if variant != "tracing":
+        raise ValueError(f"unknown observe variant {variant!r}")
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+    class Discard(SpanExporter):
+        def export(self, spans: Any) -> SpanExportResult:
+            return SpanExportResult.SUCCESS
+
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(Discard()))
+    try:
+        yield lambda: [TracingObserver(provider)]
+    finally:
+        provider.shutdown()
+
+
+def hook_cost_us(variant: str, n: int = 20_000) -> float:
+    """Microseconds per event that a variant's observers add, timed in this process:
+    the calls a consumer makes per event (claimed once per 100 events), through the
+    same fan-out, on events carrying a traceparent."""
+    import uuid
+
+    from aiooutbox.events import Event
+    from aiooutbox.observe import Observers
+
+    observers: list[Any]
+    provider: Any = None
+    if variant == "metrics":
+        from prometheus_client import CollectorRegistry
+
+        from aiooutbox.health import ConsumerHealth
+        from aiooutbox.metrics import OutboxMetrics
+
+        observers = [OutboxMetrics(CollectorRegistry()), ConsumerHealth()]
+    else:
+        from opentelemetry import trace
+
+        from aiooutbox.tracing import TracingObserver
+
+        if variant == "tracing":
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import (
+                BatchSpanProcessor,
+                SpanExporter,
+                SpanExportResult,
+            )
+
+            class Discard(SpanExporter):
+                def export(self, spans: Any) -> SpanExportResult:
+                    return SpanExportResult.SUCCESS
+
+            provider = TracerProvider()
+            provider.add_span_processor(BatchSpanProcessor(Discard()))
+            observers = [TracingObserver(provider)]
+        else:
+            observers = [TracingObserver(trace.ProxyTracerProvider())]
+    fan_out = Observers(observers)
+    headers = {"traceparent": "00-" + uuid.uuid4().hex + "-" + uuid.uuid4().hex[:16] + "-01"}
+    event = Event(1, TOPIC, {}, None, headers, 1, 5, None, str(uuid.uuid4()))
+    best = float("inf")
+    for _ in range(3):  # the best of three: the least disturbed by other processes
+        started = time.perf_counter()
+        for i in range(n):
+            if i % 100 == 0:
+                fan_out.claimed(100, 0.001)
+            token = fan_out.handler_started(event)
+            fan_out.settled(TOPIC, "done")
+            fan_out.handler_finished(event, token, "done", 0.001, None)
+        best = min(best, (time.perf_counter() - started) / n * 1e6)
+    if provider is not None:
+        provider.shutdown()
+    return best

@@ -101,6 +101,15 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             None,
             plan.get("uses_index"),
         )
+    observe = results.get("observe", {}).get("ratios")
+    if observe:
+        for key, what, floor in (
+            ("metrics_vs_off", "drain with Prometheus metrics on / off", 0.95),
+            ("tracing_vs_off", "drain with tracing (SDK, no-op exporter) on / off", 0.85),
+            ("otel_api_vs_absent", "drain with opentelemetry-api, no SDK / not installed", 0.98),
+        ):
+            r = _num(observe.get(key))
+            add(what, f">= {floor}", r, None if r is None else r >= floor)
     rss = results.get("rss", {}).get(AIO)
     if rss:
         add(
@@ -293,6 +302,31 @@ def markdown(results: dict[str, Any]) -> str:
             "```",
             history["explain"]["generic_plan"],
             "```",
+        ]
+    observe = results.get("observe")
+    if observe:
+        lines += [
+            "",
+            f"## Cost of observability (drain of {observe['size']:,}, median of "
+            f"{observe['rounds']} round(s))",
+            "",
+            "| variant | drain/s |",
+            "|---|---:|",
+            *(f"| {k} | {_fmt(v)} |" for k, v in observe["rates"].items()),
+            "",
+            "| ratio | value |",
+            "|---|---:|",
+            *(f"| {k} | {_fmt(v, 3)} |" for k, v in observe["ratios"].items()),
+            "",
+            "Hook cost per event, timed in-process (best of 3), and the drain ratio it"
+            " implies at the `off` rate:",
+            "",
+            "| variant | us/event | implied ratio |",
+            "|---|---:|---:|",
+            *(
+                f"| {k} | {_fmt(v, 2)} | {_fmt(observe['implied_ratios'].get(k), 3)} |"
+                for k, v in observe.get("hook_us_per_event", {}).items()
+            ),
         ]
     rss = results.get("rss", {})
     if rss:

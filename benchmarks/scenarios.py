@@ -11,13 +11,17 @@ systems; every consumer runs in its own child process.
 5. cost of history: drain with ``done`` rows in the table vs none, and the claim plan;
 6. consumer RSS over the largest drain;
 7. producer throughput per driver path (asyncpg, SQLAlchemy, psycopg, psycopg2, Django):
-   one-event transactions on 8 connections, no consumer (benchmarks/drivers.py).
+   one-event transactions on 8 connections, no consumer (benchmarks/drivers.py);
+8. cost of observability: drain with Prometheus metrics on vs off, with tracing (SDK, a
+   no-op exporter) vs off, and with opentelemetry-api but no SDK vs OpenTelemetry not
+   importable; events carry a ``traceparent`` header in every variant.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import platform
 import random
@@ -96,12 +100,22 @@ class Config:
     history_rows: int = 1_000_000
     history_drain: int = 50_000
     history_rounds: int = 3
+    observe_size: int = 50_000
+    observe_rounds: int = 3
     sample_interval: float = 0.5
     settle: float = 0.5  # pause after a consumer starts, before producers do
     patch: str | None = None  # Python file each aiooutbox consumer child runs first
     sql_patch: str | None = None  # SQL run on aiooutbox's databases after migrating
     scenarios: list[str] = field(
-        default_factory=lambda: ["drain", "history", "steady", "wakeup", "producers", "drivers"]
+        default_factory=lambda: [
+            "drain",
+            "history",
+            "steady",
+            "wakeup",
+            "producers",
+            "drivers",
+            "observe",
+        ]
     )
 
     @classmethod
@@ -121,6 +135,8 @@ class Config:
             history_rows=100_000,
             history_drain=5_000,
             history_rounds=1,
+            observe_size=20_000,
+            observe_rounds=3,
             sample_interval=0.2,
         )
 
@@ -209,12 +225,21 @@ class Bench:
         return spec
 
     async def drain_once(
-        self, system: Any, n: int, settings: dict[str, Any] | None = None, *, label: str = ""
+        self,
+        system: Any,
+        n: int,
+        settings: dict[str, Any] | None = None,
+        *,
+        label: str = "",
+        traceparent: bool = False,
     ) -> dict[str, Any]:
         """Reset, load ``n`` events, drain them in a child; verify every one finished."""
         settings = settings or self.settings[system.name]
         await system.reset()
-        await system.load(n)
+        if traceparent:
+            await system.load(n, traceparent=True)
+        else:
+            await system.load(n)
         spec = self._spec(system, "drain", settings, n=n)
         async with child_process(spec) as child, BackendCpu(self.admin_dsn, system.database) as cpu:
             await child.wait_ready()
@@ -262,6 +287,7 @@ class Bench:
                 "wakeup": self.wakeup,
                 "producers": self.producer_cost,
                 "drivers": self.driver_throughput,
+                "observe": self.cost_of_observing,
             }
             for name in scenarios:
                 await steps[name]()
@@ -794,6 +820,65 @@ class Bench:
             },
         }
         self.log(f"  history/empty = {ratio(history, empty):.2f}")
+
+    # -- 8. cost of observability -----------------------------------------------------
+    async def cost_of_observing(self) -> None:
+        """Drain rate per observability setting, rounds rotating the order; medians.
+
+        The variants (``observe`` in the child's settings, see aiooutbox_runner):
+        ``off`` no observer; ``metrics`` OutboxMetrics + ConsumerHealth + the queue
+        gauges; ``tracing`` TracingObserver on an SDK provider whose exporter drops
+        spans (batched, as deployed); ``otel_api`` TracingObserver on the API's no-op
+        provider; ``otel_absent`` no observer and opentelemetry made unimportable.
+        """
+        config = self.config
+        n = config.observe_size
+        variants = ["off", "metrics", "tracing", "otel_api", "otel_absent"]
+        self.log(f"cost of observability: drain of {n:,}, {config.observe_rounds} round(s)")
+        aio = self.systems[AIO]
+        runs: list[dict[str, Any]] = []
+        for r in range(config.observe_rounds):
+            shift = r % len(variants)
+            for variant in variants[shift:] + variants[:shift]:
+                settings = {**self.settings[AIO], "observe": variant}
+                run = await self.drain_once(
+                    aio, n, settings, label=f"{variant:11} ", traceparent=True
+                )
+                run["observe"] = variant
+                runs.append({k: v for k, v in run.items() if k != "rss"})
+        rates = {
+            v: median([x["rate"] for x in runs if x["observe"] == v and "error" not in x])
+            for v in variants
+        }
+        ratios = {
+            "metrics_vs_off": ratio(rates["metrics"], rates["off"]),
+            "tracing_vs_off": ratio(rates["tracing"], rates["off"]),
+            "otel_api_vs_absent": ratio(rates["otel_api"], rates["otel_absent"]),
+        }
+        # the same hooks timed in this process, per event, with no database or event loop
+        # in the way: far less noisy than a drain on a shared machine
+        hooks = {v: aiooutbox_runner.hook_cost_us(v) for v in ("metrics", "tracing", "otel_api")}
+        per_event_us = 1e6 / rates["off"] if rates["off"] else math.nan
+        implied = {v: per_event_us / (per_event_us + us) for v, us in hooks.items()}
+        self.results["observe"] = {
+            "size": n,
+            "rounds": config.observe_rounds,
+            "runs": runs,
+            "rates": {k: round(v, 1) for k, v in rates.items()},
+            "ratios": {k: round(v, 3) for k, v in ratios.items()},
+            "hook_us_per_event": {k: round(v, 2) for k, v in hooks.items()},
+            "implied_ratios": {k: round(v, 3) for k, v in implied.items()},
+        }
+        self.log(
+            "  metrics/off = {metrics_vs_off:.3f}, tracing/off = {tracing_vs_off:.3f}, "
+            "otel api/absent = {otel_api_vs_absent:.3f}".format(**ratios)
+        )
+        self.log(
+            "  hooks per event: "
+            + ", ".join(
+                f"{v} {us:.1f} us (implied ratio {implied[v]:.3f})" for v, us in hooks.items()
+            )
+        )
 
     # -- 6. RSS ----------------------------------------------------------------------
     def rss_summary(self) -> dict[str, Any]:

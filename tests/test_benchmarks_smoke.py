@@ -41,6 +41,8 @@ def tiny() -> Config:
         history_rows=20_000,
         history_drain=300,
         history_rounds=1,
+        observe_size=300,
+        observe_rounds=1,
         sample_interval=0.05,
         settle=0.2,
     )
@@ -103,6 +105,10 @@ async def test_benchmark_suite_runs_at_tiny_sizes(pg_server: str, tmp_path: Path
 
     # 3. wake-up: three modes, each saw every sample
     assert set(loaded["wakeup"]) == {"aiooutbox_notify", "aiooutbox_poll_only", "pgqueuer_notify"}
+    observe = loaded["observe"]
+    assert set(observe["ratios"]) == {"metrics_vs_off", "tracing_vs_off", "otel_api_vs_absent"}
+    assert all(positive(r) for r in observe["ratios"].values()), observe["ratios"]
+    assert all("error" not in run for run in observe["runs"]), observe["runs"]
     for mode in loaded["wakeup"].values():
         assert mode["handled"] == 3 and mode["latency_ms"]["n"] == 3
         assert positive(mode["latency_ms"]["p50"])

@@ -1,0 +1,519 @@
+"""Prometheus metrics, queue gauges and /healthz (issue 15), on real PostgreSQL.
+
+What `/metrics` serves is read back with prometheus_client's own parser; the outage
+test stops a private server, never the shared one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+import aiooutbox
+from aiooutbox._sql import queries
+from aiooutbox.health import ConsumerHealth
+from aiooutbox.metrics import MetricsServer, OutboxMetrics
+from tests.clirunner import Runner, clean_env, cli
+from tests.faults.private_pg import private_postgres
+from tests.helpers import running, truthy, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+async def http_get(port: int, path: str, method: str = "GET") -> tuple[int, str]:
+    """One request to the server on 127.0.0.1:port; (status code, body)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(f"{method} {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.read(), 30)
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    head, _, body = raw.decode().partition("\r\n\r\n")
+    return int(head.split(" ", 2)[1]), body
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a /metrics body, keyed by name and sorted labels."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(found: dict[Any, float], name: str, **labels: str) -> float | None:
+    return found.get((name, tuple(sorted(labels.items()))))
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+async def test_counters_are_exact_after_a_known_mix_of_outcomes(
+    pool: asyncpg.Pool, registry: CollectorRegistry
+) -> None:
+    metrics = OutboxMetrics(registry)
+    slow_started = asyncio.Event()
+    slow_running = 0
+
+    async def ok(event: aiooutbox.Event) -> None:
+        pass
+
+    async def flaky(event: aiooutbox.Event) -> None:
+        if event.attempts == 1:
+            raise aiooutbox.Retry(delay=0)
+
+    async def dead(event: aiooutbox.Event) -> None:
+        raise aiooutbox.Dead("no")
+
+    async def slow(event: aiooutbox.Event) -> None:
+        nonlocal slow_running
+        slow_running += 1
+        if slow_running == 2:
+            slow_started.set()
+        await asyncio.sleep(60)
+
+    handlers = {"t.ok": ok, "t.flaky": flaky, "t.dead": dead, "t.slow": slow}
+    events = [aiooutbox.NewEvent("t.ok", {}) for _ in range(3)]
+    events += [aiooutbox.NewEvent("t.flaky", {}) for _ in range(2)]
+    events += [aiooutbox.NewEvent("t.dead", {})]
+    events += [aiooutbox.NewEvent("t.slow", {}) for _ in range(2)]
+    await aiooutbox.enqueue_many(pool, events)
+    consumer = aiooutbox.OutboxConsumer(
+        pool, poll_interval=0.1, shutdown_grace=0.05, observers=[metrics]
+    )
+    async with MetricsServer(registry, port=0) as server, consumer:
+        async with running(consumer, handlers):
+            await asyncio.wait_for(slow_started.wait(), 30)
+            await wait_until(truthy(lambda: consumer.stats.done == 5))
+            status, body = await http_get(server.port, "/metrics")
+            assert status == 200
+            during = samples(body)
+            assert value(during, "aiooutbox_in_flight") == 2
+            assert value(during, "aiooutbox_listener_connected") == 1
+            assert value(during, "aiooutbox_settle_backlog") is not None
+        status, body = await http_get(server.port, "/metrics")
+    assert status == 200
+    found = samples(body)
+    expected = {
+        ("t.ok", "done"): 3,
+        ("t.flaky", "retry"): 2,
+        ("t.flaky", "done"): 2,
+        ("t.dead", "dead"): 1,
+        ("t.slow", "released"): 2,
+    }
+    counted = {
+        (dict(labels)["topic"], dict(labels)["outcome"]): v
+        for (name, labels), v in found.items()
+        if name == "aiooutbox_events_total"
+    }
+    assert counted == expected
+    runs = {"t.ok": 3, "t.flaky": 4, "t.dead": 1, "t.slow": 2}
+    for topic, count in runs.items():
+        assert value(found, "aiooutbox_handler_duration_seconds_count", topic=topic) == count
+        assert (
+            value(found, "aiooutbox_handler_duration_seconds_bucket", topic=topic, le="+Inf")
+            == count
+        )
+    assert value(found, "aiooutbox_claimed_total") == 10
+    claims = value(found, "aiooutbox_claims_total")
+    assert claims is not None and claims >= 1
+    assert value(found, "aiooutbox_claim_duration_seconds_count") == claims
+    # a stopped consumer holds nothing
+    assert value(found, "aiooutbox_in_flight") == 0
+    assert value(found, "aiooutbox_listener_connected") is None
+
+
+async def test_queue_lag_moves_while_a_topic_is_left_unconsumed(
+    pool: asyncpg.Pool, registry: CollectorRegistry
+) -> None:
+    metrics = OutboxMetrics(registry)
+    past = datetime.now(UTC) - timedelta(seconds=30)
+    await aiooutbox.enqueue(pool, "nobody.consumes", {}, available_at=past)
+    await aiooutbox.enqueue(pool, "nobody.consumes", {})
+    await aiooutbox.enqueue(pool, "later", {}, delay=3600)
+    async with (
+        MetricsServer(registry, port=0) as server,
+        metrics.queue_gauges(pool, interval=0.05) as gauges,
+    ):
+        first = samples((await http_get(server.port, "/metrics"))[1])
+        lag = value(first, "aiooutbox_queue_lag_seconds", topic="nobody.consumes")
+        assert lag is not None and 29 < lag < 3600, first
+        assert value(first, "aiooutbox_queue_depth", topic="nobody.consumes", status="pending") == 2
+        # delayed, not due: counted in the depth, no lag
+        assert value(first, "aiooutbox_queue_depth", topic="later", status="pending") == 1
+        assert value(first, "aiooutbox_queue_lag_seconds", topic="later") == 0
+        assert value(first, "aiooutbox_queue_stats_timestamp_seconds") is not None
+        refreshes = gauges.refreshes
+
+        async def moved() -> bool:
+            now = samples((await http_get(server.port, "/metrics"))[1])
+            later = value(now, "aiooutbox_queue_lag_seconds", topic="nobody.consumes")
+            return gauges.refreshes > refreshes and later is not None and later > lag + 0.2
+
+        await wait_until(moved, timeout=30)
+
+
+async def test_queue_gauges_count_processing_rows_and_drop_when_stale(pool: asyncpg.Pool) -> None:
+    registry = CollectorRegistry()
+    metrics = OutboxMetrics(registry)
+    await aiooutbox.enqueue(pool, "busy", {})
+    await pool.execute(
+        "UPDATE outbox_events SET status = 'processing', locked_by = 'w',"
+        " lease_expires_at = now() + interval '1 minute'"
+    )
+    async with metrics.queue_gauges(pool, interval=0.05) as gauges:
+        found = samples(_exposition(registry))
+        assert value(found, "aiooutbox_queue_depth", topic="busy", status="processing") == 1
+        assert value(found, "aiooutbox_queue_lag_seconds", topic="busy") == 0
+        gauges._fresh_until = 0.0  # as if the last refresh were three intervals old
+        assert (
+            value(
+                samples(_exposition(registry)),
+                "aiooutbox_queue_depth",
+                topic="busy",
+                status="processing",
+            )
+            is None
+        )
+    with pytest.raises(RuntimeError, match="already tracks"):
+        async with metrics.queue_gauges(pool), metrics.queue_gauges(pool):
+            pass
+
+
+def _exposition(registry: CollectorRegistry) -> str:
+    from prometheus_client import generate_latest
+
+    return generate_latest(registry).decode()
+
+
+async def test_queue_gauges_query_reads_only_unfinished_rows_of_a_big_table(
+    conn: asyncpg.Connection,
+) -> None:
+    q = queries()
+    await conn.execute(
+        "INSERT INTO outbox_events (topic, payload, status, attempts, finished_at)"
+        " SELECT 't' || (g % 5), '{}', 'done', 1, now() FROM generate_series(1, 200000) g"
+    )
+    await conn.execute(
+        "INSERT INTO outbox_events (topic, payload) SELECT 't' || (g % 5), '{}'"
+        " FROM generate_series(1, 500) g"
+    )
+    await conn.execute(
+        "INSERT INTO outbox_events (topic, payload, status, locked_by, lease_expires_at)"
+        " SELECT 't1', '{}', 'processing', 'w', now() + interval '1 minute'"
+        " FROM generate_series(1, 20)"
+    )
+    for key in ("a", "b"):  # an ordered key: one head, the rest waiting
+        for _ in range(3):
+            await aiooutbox.enqueue(conn, "t2", {}, ordering_key=key)
+    await conn.execute("ANALYZE outbox_events")
+    plan = "\n".join(r[0] for r in await conn.fetch("EXPLAIN " + q.queue_gauges))
+    assert "Seq Scan" not in plan, plan
+    assert "outbox_events_topic_claimable_idx" in plan, plan
+    assert "outbox_events_key_idx" in plan, plan
+    assert "outbox_events_lease_idx" in plan, plan
+    rows = await conn.fetch(q.queue_gauges)
+    depth = {(r[0], r[1]): r[2] for r in rows}
+    assert sum(v for (_, s), v in depth.items() if s == "pending") == 502
+    assert depth[("t1", "processing")] == 20
+    assert depth[("t2", "waiting")] == 4
+
+
+async def test_healthz_is_503_while_the_database_is_down_and_200_after() -> None:
+    with private_postgres() as server:
+        admin = await asyncpg.connect(server.dsn)
+        try:
+            await aiooutbox.migrate(admin)
+        finally:
+            await admin.close()
+        health = ConsumerHealth()
+        async with asyncpg.create_pool(server.dsn, min_size=1, max_size=4, timeout=2) as pool:
+            consumer = aiooutbox.OutboxConsumer(
+                pool, poll_interval=0.1, statement_timeout=1.0, observers=[health]
+            )
+            assert health.max_silence == pytest.approx(1.3)
+
+            async def answer() -> int:
+                return (await http_get(web.port, "/healthz"))[0]
+
+            async def answers(code: int) -> bool:
+                return await answer() == code
+
+            async with MetricsServer(CollectorRegistry(), health, port=0) as web, consumer:
+                assert await answer() == 503  # not running yet
+                async with running(consumer, {"t": _noop}):
+                    await consumer.wait_started()
+                    await wait_until(lambda: answers(200), timeout=30)
+                    body = json.loads((await http_get(web.port, "/healthz"))[1])
+                    assert body["status"] == "ok" and body["reason"] == "claiming"
+                    t0 = time.monotonic()
+                    server.stop("fast")
+                    try:
+                        await wait_until(lambda: answers(503), timeout=60, interval=0.1)
+                    except AssertionError:
+                        raise AssertionError(
+                            f"/healthz still 200 {time.monotonic() - t0:.1f}s after the stop"
+                        ) from None
+                    down = json.loads((await http_get(web.port, "/healthz"))[1])
+                    assert "no successful claim" in down["reason"], down
+                    t1 = time.monotonic()
+                    server.start()
+                    try:
+                        await wait_until(lambda: answers(200), timeout=90, interval=0.1)
+                    except AssertionError:
+                        raise AssertionError(
+                            f"/healthz not 200 {time.monotonic() - t1:.1f}s after the restart"
+                        ) from None
+                assert await answer() == 503  # stopped
+
+
+async def _noop(event: aiooutbox.Event) -> None:
+    pass
+
+
+async def test_health_of_a_busy_consumer_probes_the_database(pool: asyncpg.Pool) -> None:
+    health = ConsumerHealth(max_silence=0.2)
+    release = asyncio.Event()
+
+    async def hold(event: aiooutbox.Event) -> None:
+        await release.wait()
+
+    await aiooutbox.enqueue(pool, "t", {})
+    consumer = aiooutbox.OutboxConsumer(pool, concurrency=1, observers=[health])
+    status = await health.check()
+    assert not status.ok and status.http_status == 503 and "not running" in status.reason
+    async with consumer, running(consumer, {"t": hold}):
+        await wait_until(truthy(lambda: consumer.stats.in_flight == 1))
+        await asyncio.sleep(0.3)  # past max_silence with every slot busy: no claim is due
+
+        async def probed() -> bool:
+            result = await health.check()
+            return result.ok and "slot busy" in result.reason
+
+        await wait_until(probed)
+        assert (await health.check()).details["probe"] == "answered"
+        release.set()
+    with pytest.raises(RuntimeError, match="one consumer"):
+        aiooutbox.OutboxConsumer(pool, observers=[health])
+    with pytest.raises(aiooutbox.InvalidArgument):
+        ConsumerHealth(max_silence=0)
+
+
+async def test_server_answers_only_what_it_serves(registry: CollectorRegistry) -> None:
+    async with MetricsServer(registry, port=0) as server:
+        assert server.host == "127.0.0.1"
+        assert (await http_get(server.port, "/healthz"))[0] == 404  # no health given
+        assert (await http_get(server.port, "/nothing"))[0] == 404
+        assert (await http_get(server.port, "/metrics", "POST"))[0] == 405
+        status, body = await http_get(server.port, "/metrics", "HEAD")
+        assert status == 200 and body == ""
+        # a client that connects and says nothing does not keep the server from stopping
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    assert await asyncio.wait_for(reader.read(), 10) == b""
+    writer.close()
+    with pytest.raises(aiooutbox.InvalidArgument):
+        MetricsServer(registry, port=70000)
+    with pytest.raises(TypeError):
+        MetricsServer(registry, port="80")  # type: ignore[arg-type]
+
+
+def test_one_set_of_families_per_registry(registry: CollectorRegistry) -> None:
+    metrics = OutboxMetrics(registry)
+    with pytest.raises(ValueError, match="Duplicated"):
+        OutboxMetrics(registry)
+    metrics.unregister()
+    OutboxMetrics(registry)  # free again
+
+
+def _metric_names() -> set[str]:
+    """Every sample name aiooutbox can serve, gauges of a consumer and the table included."""
+    registry = CollectorRegistry()
+    metrics = OutboxMetrics(registry)
+    metrics.settled("t", "done")
+    metrics.claimed(1, 0.01)
+    metrics.handler_finished(aiooutbox.Event(1, "t", {}, None), None, "done", 0.1, None)
+    names = {f.name for f in registry.collect()}
+    names |= {s.name for f in registry.collect() for s in f.samples}
+    names |= {
+        "aiooutbox_listener_connected",
+        "aiooutbox_queue_depth",
+        "aiooutbox_queue_lag_seconds",
+    }
+    return names
+
+
+def test_grafana_dashboard_is_json_naming_metrics_that_exist() -> None:
+    dashboard = json.loads((ROOT / "examples" / "grafana_dashboard.json").read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    assert exprs, "no panel queries"
+    known = _metric_names()
+    used = {name for e in exprs for name in re.findall(r"\baiooutbox_[a-z_]+", e)}
+    assert used, exprs
+    assert used <= known, sorted(used - known)
+    required = {
+        "aiooutbox_events_total", "aiooutbox_handler_duration_seconds_bucket",
+        "aiooutbox_queue_lag_seconds", "aiooutbox_queue_depth", "aiooutbox_in_flight",
+        "aiooutbox_listener_connected",
+    }  # fmt: skip
+    assert required <= used, sorted(required - used)
+
+
+def test_alert_rules_in_the_docs_name_metrics_that_exist() -> None:
+    text = (ROOT / "docs" / "observability.md").read_text()
+    rules = re.findall(r"expr: (.+)", text)
+    assert len(rules) >= 3, rules
+    used = {name for r in rules for name in re.findall(r"\baiooutbox_[a-z_]+", r)}
+    assert used <= _metric_names(), sorted(used - _metric_names())
+
+
+# -- the command line -----------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--metrics-port", "abc"], {}, "--metrics-port: expected a TCP port"),
+        (["--metrics-port", "70000"], {}, "--metrics-port: expected a TCP port"),
+        (["--metrics-port", "-1"], {}, "expected a TCP port"),
+        ([], {"AIOOUTBOX_METRICS_PORT": "x"}, "$AIOOUTBOX_METRICS_PORT: expected a TCP port"),
+        (["--metrics-host", "127.0.0.1"], {}, "--metrics-host needs --metrics-port"),
+        (["--metrics-port", "9", "--metrics-host", "a b"], {}, "expected a host name"),
+    ],
+)
+async def test_cli_refuses_bad_metrics_options_in_one_line(
+    args: list[str], env: dict[str, str], message: str
+) -> None:
+    result = await cli("run", "tests.cli_handlers:handlers", *args, env=clean_env(**env))
+    assert result.rc == 2, result
+    # one error line (argparse's own errors add the house's "(see --help)" hint)
+    errors = [line for line in result.err_lines if not line.startswith("(see ")]
+    assert len(errors) == 1, result.err
+    assert message in errors[0], result.err
+
+
+async def test_cli_port_in_use_is_one_line_and_exit_1(dsn: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = await cli(
+            "run", "tests.cli_handlers:handlers", "--dsn", dsn, "--metrics-port", str(port)
+        )
+    assert result.rc == 1, result
+    assert len(result.err_lines) == 1, result.err
+    assert (
+        f"--metrics-port {port}: cannot listen on 127.0.0.1:{port}: address already in use"
+        in result.err
+    )
+
+
+async def test_cli_serves_metrics_and_healthz(dsn: str, pool: asyncpg.Pool) -> None:
+    port = _free_port()
+    await aiooutbox.enqueue(pool, "t.wait", {})
+    env = clean_env(AIOOUTBOX_METRICS_PORT=str(port))
+    async with Runner(
+        "tests.cli_handlers:handlers", "--dsn", dsn, "--poll-interval", "0.2", env=env
+    ) as runner:
+        await runner.wait_for_line(r"serving /metrics and /healthz on http://127\.0\.0\.1:\d+")
+        await runner.wait_for_line("consuming")
+
+        async def healthy() -> bool:
+            return (await http_get(port, "/healthz"))[0] == 200
+
+        await wait_until(healthy)
+        status, body = await http_get(port, "/metrics")
+        assert status == 200
+        found = samples(body)
+        assert value(found, "aiooutbox_listener_connected") == 1
+        assert value(found, "aiooutbox_queue_depth", topic="t.wait", status="pending") == 1
+        assert any(name == "process_cpu_seconds_total" for name, _ in found)  # global registry
+        runner.signal()
+        assert await runner.wait() == 0
+
+
+# -- docs/web.md: the health snippets run ----------------------------------------------
+
+HEALTH_SNIPPETS = re.findall(
+    r"```python health\n(.*?)```", (ROOT / "docs" / "web.md").read_text(), re.DOTALL
+)
+
+
+def test_web_doc_shows_fastapi_and_aiohttp_health_routes() -> None:
+    assert len(HEALTH_SNIPPETS) == 2
+    assert "FastAPI" in HEALTH_SNIPPETS[0] and "aiohttp" in HEALTH_SNIPPETS[1]
+
+
+@pytest.mark.parametrize("index", range(len(HEALTH_SNIPPETS)))
+async def test_web_doc_health_snippet(
+    index: int, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aiohttp import web
+    from fastapi import FastAPI
+
+    from tests.test_examples import load
+    from tests.test_integrations import serve_aiohttp, serve_asgi
+
+    monkeypatch.setenv("AIOOUTBOX_DSN", dsn)
+    module = load(HEALTH_SNIPPETS[index], 100 + index)
+    app = module.app
+
+    async def get(client: Any, path: str) -> tuple[int, str]:
+        response = await client.get(path)
+        if isinstance(app, FastAPI):
+            return response.status_code, response.text
+        return response.status, await response.text()
+
+    serve = serve_asgi if isinstance(app, FastAPI) else serve_aiohttp
+    assert isinstance(app, (FastAPI, web.Application))
+    async with serve(app) as client:  # type: ignore[operator]
+
+        async def healthy() -> bool:
+            return (await get(client, "/healthz"))[0] == 200
+
+        await wait_until(healthy)
+        status, text = await get(client, "/metrics")
+        assert status == 200
+        assert value(samples(text), "aiooutbox_listener_connected") == 1
+    status = await module.health.check()
+    assert status.http_status == 503 and "not running" in status.reason
+
+
+def test_histogram_buckets_are_cumulative_and_inclusive(registry: CollectorRegistry) -> None:
+    metrics = OutboxMetrics(registry)
+    event = aiooutbox.Event(1, "t", {}, None)
+    for seconds in (0.0005, 0.001, 0.0011, 70.0, 1000.0):
+        metrics.handler_finished(event, None, "done", seconds, None)
+    found = samples(_exposition(registry))
+
+    def bucket(le: str) -> float | None:
+        return value(found, "aiooutbox_handler_duration_seconds_bucket", topic="t", le=le)
+
+    assert (bucket("0.001"), bucket("0.0025"), bucket("60.0"), bucket("120.0")) == (2, 3, 3, 4)
+    assert bucket("+Inf") == 5
+    assert value(found, "aiooutbox_handler_duration_seconds_count", topic="t") == 5
+    total = value(found, "aiooutbox_handler_duration_seconds_sum", topic="t")
+    assert total == pytest.approx(1070.0026)
+    with pytest.raises(aiooutbox.InvalidArgument):
+        OutboxMetrics(CollectorRegistry(), handler_buckets=(1.0, 1.0))

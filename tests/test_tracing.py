@@ -1,0 +1,273 @@
+"""OpenTelemetry tracing (issue 15): the SDK's in-memory exporter, real PostgreSQL.
+
+The provider is passed explicitly (the global one can be set only once per process);
+the producer side reads whatever span is current, so it needs no provider at all.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+
+import asyncpg
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+import aiooutbox
+from aiooutbox._logging import JsonFormatter
+from aiooutbox.tracing import TracingObserver
+from tests.clirunner import ROOT
+from tests.helpers import running, truthy, wait_until
+
+
+@pytest.fixture
+def exporter() -> InMemorySpanExporter:
+    return InMemorySpanExporter()
+
+
+@pytest.fixture
+def provider(exporter: InMemorySpanExporter) -> TracerProvider:
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider
+
+
+def finished(exporter: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
+    return [s for s in exporter.get_finished_spans() if s.name == name]
+
+
+async def stored_headers(pool: asyncpg.Pool, event_id: int | None) -> dict[str, str]:
+    raw = await pool.fetchval("SELECT headers::text FROM outbox_events WHERE id = $1", event_id)
+    headers: dict[str, str] = json.loads(raw)
+    return headers
+
+
+async def test_request_span_enqueue_and_handler_span_share_one_trace(
+    pool: asyncpg.Pool, provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    tracer = provider.get_tracer("app")
+    seen_inside: list[trace.SpanContext] = []
+
+    async def handler(event: aiooutbox.Event) -> None:
+        seen_inside.append(trace.get_current_span().get_span_context())
+
+    with tracer.start_as_current_span("POST /orders") as request:
+        event_id = await aiooutbox.enqueue(pool, "orders.created", {"id": 1})
+    headers = await stored_headers(pool, event_id)
+    assert headers["traceparent"].split("-")[1] == format(
+        request.get_span_context().trace_id, "032x"
+    )
+
+    consumer = aiooutbox.OutboxConsumer(
+        pool, poll_interval=0.1, observers=[TracingObserver(provider)]
+    )
+    async with consumer, running(consumer, {"orders.created": handler}):
+        await wait_until(truthy(lambda: finished(exporter, "process orders.created")))
+    (span,) = finished(exporter, "process orders.created")
+    (req,) = finished(exporter, "POST /orders")
+    assert span.kind is SpanKind.CONSUMER
+    assert span.context.trace_id == req.context.trace_id
+    assert span.parent is not None and span.parent.span_id == req.context.span_id
+    assert [link.context.span_id for link in span.links] == [req.context.span_id]
+    assert seen_inside == [span.context]  # the handler runs inside its span
+    attributes = dict(span.attributes or {})
+    message_id = await pool.fetchval(
+        "SELECT message_id::text FROM outbox_events WHERE id = $1", event_id
+    )
+    assert attributes == {
+        "messaging.system": "aiooutbox",
+        "messaging.destination.name": "orders.created",
+        "messaging.operation.type": "process",
+        "messaging.operation.name": "process",
+        "messaging.message.id": message_id,
+        "aiooutbox.event.id": event_id,
+        "aiooutbox.attempt": 1,
+        "aiooutbox.outcome": "done",
+    }
+    assert span.status.status_code is StatusCode.UNSET
+
+
+async def test_failures_record_the_exception_and_the_outcome(
+    pool: asyncpg.Pool, provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    async def broken(event: aiooutbox.Event) -> None:
+        if event.attempts == 1:
+            raise ValueError("bad input")
+        raise aiooutbox.Dead("give up")
+
+    await aiooutbox.enqueue(pool, "t", {})  # no span current: a new trace
+    consumer = aiooutbox.OutboxConsumer(
+        pool,
+        poll_interval=0.1,
+        retry=aiooutbox.RetryPolicy(base=0.01, max_delay=0.02),
+        observers=[TracingObserver(provider)],
+    )
+    async with consumer, running(consumer, {"t": broken}):
+        await wait_until(truthy(lambda: len(finished(exporter, "process t")) == 2))
+    first, second = sorted(finished(exporter, "process t"), key=lambda s: s.start_time or 0)
+    assert first.parent is None and not first.links
+    assert first.attributes is not None and second.attributes is not None
+    assert first.attributes["aiooutbox.outcome"] == "retry"
+    assert first.attributes["error.type"] == "ValueError"
+    assert first.status.status_code is StatusCode.ERROR
+    assert [e.name for e in first.events] == ["exception"]
+    assert first.events[0].attributes is not None
+    assert first.events[0].attributes["exception.message"] == "bad input"
+    assert second.attributes["aiooutbox.outcome"] == "dead"
+    assert second.attributes["aiooutbox.attempt"] == 2
+    assert second.attributes["error.type"] == "Dead"
+
+
+async def test_injection_keeps_the_callers_headers(
+    pool: asyncpg.Pool, provider: TracerProvider
+) -> None:
+    tracer = provider.get_tracer("app")
+    custom = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    with tracer.start_as_current_span("request") as span:
+        mine = await aiooutbox.enqueue(pool, "t", {}, headers={"traceparent": custom, "k": "v"})
+        merged = await aiooutbox.enqueue(pool, "t", {}, headers={"k": "v"})
+        many = await aiooutbox.enqueue_many(
+            pool, [aiooutbox.NewEvent("t", {}), aiooutbox.NewEvent("t", {}, headers={"a": "b"})]
+        )
+    outside = await aiooutbox.enqueue(pool, "t", {}, headers={"k": "v"})
+    assert await stored_headers(pool, mine) == {"traceparent": custom, "k": "v"}
+    trace_id = format(span.get_span_context().trace_id, "032x")
+    got = await stored_headers(pool, merged)
+    assert got["k"] == "v" and got["traceparent"].split("-")[1] == trace_id
+    for event_id in many:
+        assert (await stored_headers(pool, event_id))["traceparent"].split("-")[1] == trace_id
+    assert (await stored_headers(pool, many[1]))["a"] == "b"
+    assert await stored_headers(pool, outside) == {"k": "v"}
+    # validation still comes first: a bad header is refused inside a span too
+    with tracer.start_as_current_span("request"), pytest.raises(TypeError):
+        await aiooutbox.enqueue(pool, "t", {}, headers=[("k", "v")])  # type: ignore[arg-type]
+
+
+async def test_a_garbled_traceparent_starts_a_new_trace(
+    pool: asyncpg.Pool, provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    await aiooutbox.enqueue(pool, "t", {}, headers={"traceparent": "nonsense", "tracestate": 7})
+
+    async def handler(event: aiooutbox.Event) -> None:
+        pass
+
+    consumer = aiooutbox.OutboxConsumer(
+        pool, poll_interval=0.1, observers=[TracingObserver(provider)]
+    )
+    async with consumer, running(consumer, {"t": handler}):
+        await wait_until(truthy(lambda: finished(exporter, "process t")))
+    (span,) = finished(exporter, "process t")
+    assert span.parent is None and not span.links
+    assert consumer.stats.done == 1
+
+
+def test_json_log_lines_carry_the_trace_ids(provider: TracerProvider) -> None:
+    formatter = JsonFormatter()
+    record = logging.LogRecord("aiooutbox.test", logging.INFO, "", 0, "hello", (), None)
+    assert "trace_id" not in json.loads(formatter.format(record))
+    with provider.get_tracer("app").start_as_current_span("work") as span:
+        line = json.loads(formatter.format(record))
+    context = span.get_span_context()
+    assert line["trace_id"] == format(context.trace_id, "032x")
+    assert line["span_id"] == format(context.span_id, "016x")
+    assert line["message"] == "hello"
+
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_without_opentelemetry_nothing_is_imported_and_tracing_says_what_to_install() -> None:
+    result = _python(
+        """
+        import sys
+
+        class Blocker:
+            # as if opentelemetry were not installed
+            def find_spec(self, name, path=None, target=None):
+                if name == "opentelemetry" or name.startswith("opentelemetry."):
+                    raise ModuleNotFoundError(f"No module named {name!r}")
+                return None
+
+        sys.meta_path.insert(0, Blocker())
+        import logging
+        import aiooutbox
+        from aiooutbox import producer
+        from aiooutbox._logging import JsonFormatter
+
+        producer.prepare_one(
+            "t", {}, dedupe_key=None, delay=None, available_at=None, max_attempts=None,
+            headers={"k": "v"}, schema="public", table="outbox_events", encoder=None,
+        )
+        record = logging.LogRecord("x", logging.INFO, "", 0, "m", (), None)
+        assert "trace_id" not in JsonFormatter().format(record)
+        assert producer._trace_looked_up and producer._inject_trace is None
+        from aiooutbox.tracing import TracingObserver
+        try:
+            TracingObserver()
+        except ImportError as exc:
+            print(exc)
+        print(sorted(m for m in sys.modules if m.startswith("opentelemetry")))
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert 'pip install "aiooutbox[otel]"' in result.stdout
+    assert result.stdout.strip().endswith("[]")
+
+
+def test_importing_aiooutbox_imports_no_opentelemetry_or_prometheus() -> None:
+    result = _python(
+        """
+        import sys
+        import aiooutbox, aiooutbox.health, aiooutbox.tracing, aiooutbox.observe
+        print(sorted(m for m in sys.modules if m.startswith(("opentelemetry", "prometheus"))))
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+async def test_the_runner_traces_handlers_when_opentelemetry_is_installed(
+    dsn: str, pool: asyncpg.Pool
+) -> None:
+    """`python -m aiooutbox run` adds the tracing observer by itself; a handlers module
+    that configures the SDK gets spans (here printed by the console exporter)."""
+    from tests.clirunner import Runner, clean_env
+
+    await aiooutbox.enqueue(pool, "traced", {})
+    async with Runner(
+        "tests.tracing_handlers:handlers", "--dsn", dsn, "--log-format", "json",
+        env=clean_env(),
+    ) as runner:  # fmt: skip
+        match = await runner.wait_for_line(
+            r'"message": "handled traced event".*"trace_id": "(\w+)"'
+        )
+        assert len(match.group(1)) == 32
+        runner.signal()
+        assert await runner.wait() == 0
+
+
+def test_without_an_sdk_handlers_run_without_a_span() -> None:
+    event = aiooutbox.Event(
+        1, "t", {}, None, {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}
+    )
+    for provider in (trace.NoOpTracerProvider(), trace.ProxyTracerProvider()):
+        observer = TracingObserver(provider)
+        token = observer.handler_started(event)
+        assert token is None
+        observer.handler_finished(event, token, "done", 0.001, None)
+        assert not trace.get_current_span().get_span_context().is_valid
