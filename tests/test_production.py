@@ -1,0 +1,375 @@
+"""Production failure modes (issue 17): failover to a promoted standby, a read-only
+standby, a listener that went deaf, a pinned xmin horizon, recovery racing a settle
+at the lease boundary, and backend kills during claims.
+
+Numbers are printed (run with ``-s``); bounds are generous, several times typical.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import asyncpg
+import pytest
+
+import aiooutbox
+from aiooutbox._db import PermanentDatabaseError
+from aiooutbox._listener import Listener, is_probe
+from aiooutbox._sql import queries
+from tests.conftest import with_database
+from tests.faults.deaf_proxy import DeafProxy
+from tests.faults.procs import HANDLED_DDL, all_finished, wait_until
+from tests.faults.replica_pg import ReplicaPair, replica_pair
+
+pytestmark = pytest.mark.slow
+
+Q = queries()
+
+
+def report(name: str, **numbers: Any) -> None:
+    shown = ", ".join(
+        f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in numbers.items()
+    )
+    print(f"\n[{name}] {shown}")
+
+
+@contextlib.asynccontextmanager
+async def running(
+    consumer: aiooutbox.OutboxConsumer, handlers: Any, *, stop_timeout: float = 60.0
+) -> AsyncIterator[asyncio.Future[None]]:
+    """Run ``consumer`` until the block ends; re-raise what run() raised."""
+    async with consumer:
+        task = asyncio.ensure_future(consumer.run(handlers))
+        await wait_until(
+            lambda: _started(consumer, task), 20, "the consumer to start", interval=0.01
+        )
+        try:
+            yield task
+        finally:
+            consumer.stop()
+            done, _ = await asyncio.wait({task}, timeout=stop_timeout)
+            if not done:
+                task.cancel()
+                raise AssertionError(f"consumer did not stop within {stop_timeout}s")
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+
+
+async def _started(consumer: aiooutbox.OutboxConsumer, task: asyncio.Future[None]) -> bool:
+    if task.done():
+        task.result()
+        raise AssertionError("consumer.run() returned at once")
+    return consumer.running and (consumer.listening or not consumer.options.listen)
+
+
+class Producer:
+    """Enqueues numbered events steadily on its own connection, riding out outages."""
+
+    def __init__(self, dsn: str, topic: str = "t") -> None:
+        self.dsn = dsn
+        self.topic = topic
+        self.committed: set[int] = set()
+        self.failures = 0
+        self.sent = 0
+        self._stop = asyncio.Event()
+
+    async def run(self, interval: float = 0.02, batch: int = 5) -> None:
+        conn: asyncpg.Connection | None = None
+        while not self._stop.is_set():
+            try:
+                if conn is None or conn.is_closed():
+                    conn = await asyncpg.connect(self.dsn, timeout=2)
+                events = [
+                    aiooutbox.NewEvent(self.topic, {"n": self.sent + i}) for i in range(batch)
+                ]
+                ids = await aiooutbox.enqueue_many(conn, events)
+                self.sent += batch
+                self.committed.update(i for i in ids if i is not None)
+            except Exception:  # a dying link raises InternalClientError too
+                self.failures += 1
+                if conn is not None:
+                    conn.terminate()
+                    conn = None
+            await asyncio.sleep(interval)
+        if conn is not None:
+            await conn.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+# -- 2. failover to a promoted standby -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[ReplicaPair]:
+    with replica_pair() as servers:
+        yield servers
+
+
+@pytest.fixture(scope="module")
+def app_db(pair: ReplicaPair) -> str:
+    """A migrated database on the primary, replicated to the standby."""
+
+    async def create() -> None:
+        admin_conn = await asyncpg.connect(pair.primary.dsn)
+        try:
+            await admin_conn.execute('CREATE DATABASE "app"')
+        finally:
+            await admin_conn.close()
+        conn = await asyncpg.connect(with_database(pair.primary.dsn, "app"))
+        try:
+            await aiooutbox.migrate(conn)
+            await conn.execute(HANDLED_DDL)
+            lsn = await conn.fetchval("SELECT pg_current_wal_lsn()")
+        finally:
+            await conn.close()
+        standby = await asyncpg.connect(pair.standby_dsn("postgres"))
+        try:
+            deadline = time.monotonic() + 30
+            while not await standby.fetchval("SELECT pg_last_wal_replay_lsn() >= $1", lsn):
+                assert time.monotonic() < deadline, "the standby never replayed the migration"
+                await asyncio.sleep(0.05)
+        finally:
+            await standby.close()
+
+    asyncio.run(create())
+    return "app"
+
+
+async def test_consumer_on_a_read_only_standby_stops_with_a_clear_message(
+    pair: ReplicaPair, app_db: str
+) -> None:
+    conn = await asyncpg.connect(with_database(pair.primary.dsn, app_db))
+    try:
+        await aiooutbox.enqueue(conn, "t", {"n": -1})
+    finally:
+        await conn.close()
+    handled: list[int] = []
+
+    async def record(event: aiooutbox.Event) -> None:
+        handled.append(event.id)
+
+    async with asyncpg.create_pool(pair.standby_dsn(app_db), min_size=1, max_size=4) as pool:
+        consumer = aiooutbox.OutboxConsumer(pool, poll_interval=0.05, statement_timeout=2)
+        async with consumer:
+            started = time.monotonic()
+            with pytest.raises(PermanentDatabaseError) as caught:
+                await asyncio.wait_for(consumer.run({"t": record}), 30)
+            took = time.monotonic() - started
+    message = str(caught.value)
+    report("read-only standby", stopped_after_s=took, claims=consumer.stats.claims)
+    print(message)
+    assert "read-only" in message and "primary" in message
+    assert "target_session_attrs=read-write" in message
+    assert handled == [] and consumer.stats.claims == 0  # it never spun on claims
+    assert took < 20
+
+
+async def test_failover_to_a_promoted_standby(pair: ReplicaPair, app_db: str) -> None:
+    dsn = pair.dsn(app_db)
+    seen: dict[int, int] = {}
+
+    async def handler(event: aiooutbox.Event) -> None:
+        seen[event.id] = seen.get(event.id, 0) + 1
+        # some events run long, so leases are held when the primary dies
+        await asyncio.sleep(1.5 if event.payload["n"] % 7 == 0 else 0.02)
+
+    producers = [Producer(dsn) for _ in range(2)]
+    async with asyncpg.create_pool(dsn, min_size=1, max_size=6) as pool:
+        consumer = aiooutbox.OutboxConsumer(
+            pool,
+            worker_id="failover",
+            concurrency=16,
+            lease_timeout=3,
+            poll_interval=1,
+            statement_timeout=2,
+            shutdown_grace=5,
+        )
+        async with running(consumer, {"t": handler}) as task:
+            tasks = [asyncio.ensure_future(p.run(interval=0.02, batch=3)) for p in producers]
+            await wait_until(when(lambda: len(seen) > 100), 30, "events to flow")
+            pair.kill_primary()
+            killed = time.monotonic()
+            standby = await asyncpg.connect(pair.standby_dsn(app_db))
+            try:
+                held = {
+                    r[0]
+                    for r in await standby.fetch(
+                        "SELECT id FROM outbox_events WHERE status = 'processing'"
+                    )
+                }
+            finally:
+                await standby.close()
+            await asyncio.sleep(1.0)  # the outage, before anyone promotes
+            pair.standby.promote()
+            promoted = time.monotonic()
+            committed_before = sum(len(p.committed) for p in producers)
+            before = len(seen)
+            await wait_until(when(lambda: len(seen) > before + 50), 60, "handling to resume")
+            resumed = time.monotonic() - promoted
+            for p in producers:
+                p.stop()
+            await asyncio.gather(*tasks)
+            new_primary = await asyncpg.connect(pair.standby_dsn(app_db))
+            try:
+                drained = await wait_until(lambda: all_finished(new_primary), 60, "the drain")
+                rows = {
+                    r[0]: r[1]
+                    for r in await new_primary.fetch("SELECT id, status::text FROM outbox_events")
+                }
+                recovered = await new_primary.fetchval(
+                    "SELECT count(*) FROM outbox_events WHERE id = ANY ($1::bigint[])"
+                    " AND attempts > 1",
+                    list(held),
+                )
+            finally:
+                await new_primary.close()
+            assert not task.done(), "the consumer exited during the failover"
+    committed = set().union(*(p.committed for p in producers))
+    lost = committed - set(rows)  # acknowledged by the dead primary, never replicated
+    report(
+        "failover",
+        events_on_new_primary=len(rows),
+        committed=len(committed),
+        not_replicated=len(lost),
+        held_at_crash=len(held),
+        held_rerun=recovered,
+        committed_after_promote=len(committed) - committed_before,
+        producer_failures=sum(p.failures for p in producers),
+        outage_s=promoted - killed,
+        resumed_after_promote_s=resumed,
+        drained_s=drained,
+    )
+    assert set(rows.values()) == {"done"}
+    assert set(rows) <= set(seen), "an event that reached the standby was never handled"
+    assert held and held <= set(rows), "no lease was held at the crash: the test proves nothing"
+    assert all(rows[i] == "done" for i in held)
+    assert len(committed) > committed_before, "no producer committed after the failover"
+
+
+def when(check: Any) -> Any:
+    """A `wait_until` predicate from a plain check, evaluated on every poll."""
+
+    async def predicate() -> bool:
+        return bool(check())
+
+    return predicate
+
+
+# -- 3. a listener that proves it hears ------------------------------------------------
+
+
+async def test_probe_payload_can_never_be_a_topic(dsn: str) -> None:
+    conn = await asyncpg.connect(dsn)
+    wakes: list[float] = []
+    async with asyncpg.create_pool(dsn, min_size=1, max_size=2) as pool:
+        quiet = Listener(
+            pool, Q.channel, None, lambda: wakes.append(time.monotonic()),
+            dsn=None, keepalive=60, timeout=5, worker_id="quiet", probe_interval=None,
+        )  # fmt: skip
+        prober = Listener(
+            pool, Q.channel, None, lambda: None,
+            dsn=None, keepalive=60, timeout=5, worker_id="prober", probe_interval=0.1,
+        )  # fmt: skip
+        async with asyncio.timeout(30):
+            q_task = asyncio.ensure_future(quiet.run())
+            p_task = asyncio.ensure_future(prober.run())
+            try:
+                await wait_until(when(lambda: prober.probes_sent >= 10), 20, "probes")
+            finally:
+                for t in (q_task, p_task):
+                    t.cancel()
+                await asyncio.gather(q_task, p_task, return_exceptions=True)
+    payload = "\x01aiooutbox-probe:prober:1:".ljust(256, ".")
+    try:
+        with pytest.raises(asyncpg.CheckViolationError):
+            await conn.execute(
+                "INSERT INTO outbox_events (topic, payload) VALUES ($1, '{}')", payload
+            )
+    finally:
+        await conn.close()
+    report(
+        "probes", sent=prober.probes_sent, missed=prober.probes_missed, rtt=prober.last_probe_rtt
+    )
+    assert is_probe(payload) and not is_probe("t") and not is_probe(payload[:255])
+    assert prober.probes_missed == 0
+    assert len(wakes) == 1, "a probe woke an every-topic consumer (only its connect may)"
+
+
+async def test_a_deaf_listener_reconnects_and_claims_without_waiting_for_the_poll(
+    dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    handled: dict[int, float] = {}
+    poll = 120.0
+
+    async def handler(event: aiooutbox.Event) -> None:
+        handled.setdefault(event.id, time.monotonic())
+
+    with DeafProxy.for_dsn(dsn) as proxy:
+        async with asyncpg.create_pool(dsn, min_size=1, max_size=4) as pool:
+            consumer = aiooutbox.OutboxConsumer(
+                pool,
+                poll_interval=poll,
+                listen_dsn=proxy.proxied(dsn),
+                listen_probe_interval=0.5,
+                statement_timeout=2,
+            )
+            async with running(consumer, {"t": handler}):
+                conn = await asyncpg.connect(dsn)
+                try:
+                    first = await _latency(conn, handled, consumer)
+                    proxy.freeze()  # the listener's link stays up but hears nothing
+                    frozen_at = time.monotonic()
+                    deaf = await _latency(conn, handled, consumer)
+                    assert consumer._listener is not None
+                    listener = consumer._listener
+                    await wait_until(when(lambda: listener.reconnects >= 1), 30, "a reconnect")
+                    again = await _latency(conn, handled, consumer)
+                finally:
+                    await conn.close()
+    detected = [r for r in caplog.records if "heard nothing" in r.getMessage()]
+    report(
+        "deaf listener",
+        latency_before_s=first,
+        latency_while_deaf_s=deaf,
+        latency_after_reconnect_s=again,
+        since_freeze_s=time.monotonic() - frozen_at,
+        probes_sent=listener.probes_sent,
+        probes_missed=listener.probes_missed,
+        reconnects=listener.reconnects,
+    )
+    assert detected and listener.probes_missed >= 1 and listener.reconnects >= 1
+    # the bound: a probe interval plus its timeout plus a claim, far below the poll
+    assert deaf < poll / 4
+    assert again < 3.0
+
+
+async def _latency(
+    conn: asyncpg.Connection,
+    handled: dict[int, float],
+    consumer: aiooutbox.OutboxConsumer,
+    *,
+    idle: bool = True,
+) -> float:
+    """Seconds from enqueue to handler for one event sent to an idle consumer."""
+    if idle:
+        worker = consumer.worker_id
+        await wait_until(lambda: _idle_declared(conn, worker), 30, "the consumer to declare idle")
+    event_id = await aiooutbox.enqueue(conn, "t", {})
+    assert event_id is not None
+    sent = time.monotonic()
+    await wait_until(when(lambda: event_id in handled), 60, "the event", interval=0.01)
+    return handled[event_id] - sent
+
+
+async def _idle_declared(conn: asyncpg.Connection, worker: str) -> bool:
+    return bool(
+        await conn.fetchval(
+            "SELECT EXISTS (SELECT 1 FROM outbox_events_idle WHERE worker_id = $1)", worker
+        )
+    )
