@@ -67,6 +67,14 @@ class HorizonHolder:
             return self.state == "inactive"  # a slot nobody reads pins forever
         return self.age is not None and self.age >= horizon_warning
 
+    def remedy(self) -> str:
+        """The statement that ends this holder."""
+        if self.kind == "replication slot":
+            return "SELECT pg_drop_replication_slot('%s')" % self.name.replace("'", "''")
+        if self.kind == "prepared transaction":
+            return "ROLLBACK PREPARED '%s'" % self.name.replace("'", "''")
+        return f"SELECT pg_terminate_backend({self.pid})"
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "kind": self.kind,
@@ -161,10 +169,9 @@ class Watchdog:
             self._warned[key] = now
             logger.warning(
                 "the xmin horizon is held by %s: vacuum cannot remove the outbox's dead rows"
-                " while it lasts and claims slow down; end it if it is forgotten"
-                " (pg_terminate_backend(%s), ROLLBACK PREPARED, pg_drop_replication_slot)",
+                " while it lasts and claims slow down; if it is forgotten: %s",
                 holder.describe(),
-                holder.pid if holder.pid is not None else "-",
+                holder.remedy(),
                 extra={"holder": holder.as_dict()},
             )
         dead = report.dead_tuples

@@ -9,16 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import random
 import time
 from collections.abc import AsyncIterator, Iterator
+from datetime import datetime, timezone
 from typing import Any
 
 import asyncpg
 import pytest
 
 import aiooutbox
+from aiooutbox import admin
 from aiooutbox._db import PermanentDatabaseError
 from aiooutbox._listener import Listener, is_probe
+from aiooutbox._output import stats_view
 from aiooutbox._sql import queries
 from tests.conftest import with_database
 from tests.faults.deaf_proxy import DeafProxy
@@ -373,3 +378,223 @@ async def _idle_declared(conn: asyncpg.Connection, worker: str) -> bool:
             "SELECT EXISTS (SELECT 1 FROM outbox_events_idle WHERE worker_id = $1)", worker
         )
     )
+
+
+# -- 4. the MVCC watchdog ----------------------------------------------------------------
+
+
+async def test_watchdog_names_the_transaction_that_pins_the_horizon(
+    dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A REPEATABLE READ transaction stays open while the consumer drains a backlog.
+
+    The CI size is small; ``python -m benchmarks.mvcc_holder`` drains 200k events with
+    and without the holder (docs/benchmarks.md).
+    """
+    total = 20_000
+    caplog.set_level(logging.WARNING, logger="aiooutbox.watchdog")
+    conn = await asyncpg.connect(dsn)
+    holder = await asyncpg.connect(dsn, server_settings={"application_name": "long-report"})
+    try:
+        await conn.execute(
+            "INSERT INTO outbox_events (topic, payload)"
+            " SELECT 't', '{}' FROM generate_series(1, $1)",
+            total,
+        )
+        tx = holder.transaction(isolation="repeatable_read")
+        await tx.start()
+        await holder.fetchval("SELECT count(*) FROM outbox_events")  # takes the snapshot
+        holder_pid = holder.get_server_pid()
+        handled = 0
+
+        async def handler(event: aiooutbox.Event) -> None:
+            nonlocal handled
+            handled += 1
+
+        async with asyncpg.create_pool(dsn, min_size=1, max_size=4) as pool:
+            consumer = aiooutbox.OutboxConsumer(
+                pool, watchdog_interval=1.0, horizon_warning=2.0, dead_tuples_warning=5_000
+            )
+            started = time.monotonic()
+            async with running(consumer, {"t": handler}):
+                await wait_until(lambda: all_finished(conn), 120, "the drain")
+                drained = time.monotonic() - started
+                await wait_until(
+                    when(lambda: any(_names(r, holder_pid) for r in caplog.records)),
+                    30,
+                    "the watchdog's warning",
+                )
+            report_ = await admin.stats(conn)
+        await tx.rollback()
+    finally:
+        await holder.close()
+        await conn.close()
+    warning = next(r.getMessage() for r in caplog.records if _names(r, holder_pid))
+    assert report_.mvcc is not None
+    shown = stats_view(report_)
+    report("watchdog", events=total, drained_s=drained, rate_per_s=total / drained)
+    print(warning)
+    print(shown)
+    assert "long-report" in warning and "idle in transaction" in warning
+    assert any(h.pid == holder_pid for h in report_.mvcc.holders)
+    assert f"pid={holder_pid}" in shown and "long-report" in shown
+    assert report_.as_dict()["mvcc"]["horizon_holders"]
+    assert any("dead tuples" in r.getMessage() for r in caplog.records)
+
+
+def _names(record: logging.LogRecord, pid: int) -> bool:
+    return record.name == "aiooutbox.watchdog" and f"pid={pid} " in record.getMessage()
+
+
+async def test_watchdog_options_are_checked(dsn: str) -> None:
+    async with asyncpg.create_pool(dsn, min_size=1, max_size=1) as pool:
+        for bad in ({"watchdog_interval": 0}, {"horizon_warning": -1}, {"dead_tuples_warning": 0}):
+            with pytest.raises(aiooutbox.InvalidArgument):
+                aiooutbox.OutboxConsumer(pool, **bad)  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            aiooutbox.OutboxConsumer(pool, listen_probe_interval="5")  # type: ignore[arg-type]
+        assert (
+            aiooutbox.OutboxConsumer(pool, watchdog_interval=None).options.watchdog_interval is None
+        )
+
+
+# -- 5. lease recovery racing a settle at the lease boundary ---------------------------
+
+
+async def test_recovery_racing_a_settle_at_the_lease_boundary(dsn: str) -> None:
+    """Claim with a 50 ms lease, then settle and recover at about the moment it expires,
+    and let another worker re-claim what recovery freed; many rounds.
+
+    Either the settle wins (the row is ``done`` and recovery left it alone) or it is
+    fenced (it changed nothing and the row went on to retry or to the second worker);
+    a settled outcome is never overwritten and a fenced settle never lands.
+    """
+    rounds, lease = 300, 0.05
+    worker_a, worker_b = "race-a", "race-b"
+    settle_wins = fenced = reclaimed = late_settles_fenced = 0
+    conns = [await asyncpg.connect(dsn) for _ in range(3)]
+    setup, racer_settle, racer_recover = conns
+    rng = random.Random(17)
+    try:
+        for _ in range(rounds):
+            await aiooutbox.enqueue(setup, "t", {})
+            (row,) = await setup.fetch(Q.claim, worker_a, lease, ["t"], 1, 1 << 20)
+            await asyncio.sleep(lease + rng.uniform(-0.01, 0.01))
+
+            async def settle(row: asyncpg.Record = row) -> int:
+                await asyncio.sleep(rng.uniform(0, 0.004))
+                return int(
+                    await racer_settle.fetchval(
+                        Q.settle_done, [row["id"]], worker_a, row["attempts"]
+                    )
+                )
+
+            async def recover() -> list[asyncpg.Record]:
+                await asyncio.sleep(rng.uniform(0, 0.004))
+                return await racer_recover.fetch(Q.recover_expired, 100)
+
+            settled, recovered = await asyncio.gather(settle(), recover())
+            status = await setup.fetchval(
+                "SELECT status::text FROM outbox_events WHERE id = $1", row["id"]
+            )
+            if settled:
+                settle_wins += 1
+                assert status == "done" and not recovered, (settled, recovered, status)
+            else:
+                fenced += 1
+                assert recovered and status == "retry", (settled, recovered, status)
+                # another worker takes it; the first worker's late outcome stays fenced
+                again = await setup.fetch(Q.claim, worker_b, 30.0, ["t"], 1, 1 << 20)
+                assert [r["id"] for r in again] == [row["id"]]
+                reclaimed += 1
+                late = await racer_settle.fetchval(
+                    Q.settle_done, [row["id"]], worker_a, row["attempts"]
+                )
+                assert late == 0
+                late_settles_fenced += 1
+                assert (
+                    await racer_settle.fetchval(
+                        Q.settle_done, [row["id"]], worker_b, again[0]["attempts"]
+                    )
+                    == 1
+                )
+            await setup.execute("DELETE FROM outbox_events")
+    finally:
+        for c in conns:
+            await c.close()
+    report(
+        "settle vs recovery",
+        rounds=rounds,
+        settle_won=settle_wins,
+        fenced=fenced,
+        reclaimed=reclaimed,
+        late_settles_fenced=late_settles_fenced,
+    )
+    assert settle_wins + fenced == rounds
+    assert settle_wins > 0 and fenced > 0, "the race never went both ways: move the boundary"
+
+
+# -- 6. a lost claim reply does not cost a lease -----------------------------------------
+
+
+async def test_backend_kills_during_claims_cost_no_lease(dsn: str) -> None:
+    """Terminate the consumer's connection while it runs a claim, many times: an event
+    whose claim committed while the reply was lost is taken back at once by its own
+    consumer (`release_orphans`), so no event waits for its 30 s lease to expire."""
+    lease = 30.0
+    latencies: dict[int, float] = {}
+
+    async def handler(event: aiooutbox.Event) -> None:
+        assert event.created_at is not None
+        latencies.setdefault(
+            event.id, (datetime.now(timezone.utc) - event.created_at).total_seconds()
+        )
+
+    killer_conn = await asyncpg.connect(dsn)
+    kills = 0
+
+    async def killer(seconds: float) -> None:
+        nonlocal kills
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            hit = await killer_conn.fetchval(
+                "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND application_name = 'claims'"
+                " AND state = 'active' AND query LIKE '%claim_v3%') AS t"
+            )
+            kills += hit
+            # after a hit, let a claim succeed: claim failures in a row back off (to 5 s)
+            await asyncio.sleep(0.25 if hit else 0.001)
+
+    producer = Producer(dsn)
+    async with asyncpg.create_pool(
+        dsn, min_size=2, max_size=4, server_settings={"application_name": "claims"}
+    ) as pool:
+        consumer = aiooutbox.OutboxConsumer(
+            pool, worker_id="killed", concurrency=32, lease_timeout=lease, statement_timeout=2,
+            poll_interval=1,
+        )  # fmt: skip
+        async with running(consumer, {"t": handler}) as task:
+            produce = asyncio.ensure_future(producer.run(interval=0.002, batch=10))
+            await killer(12.0)
+            producer.stop()
+            await produce
+            await wait_until(lambda: all_finished(killer_conn), 60, "every event to finish")
+            assert not task.done()
+    released = await killer_conn.fetchval("SELECT count(*) FROM outbox_events WHERE attempts > 1")
+    await killer_conn.close()
+    ordered = sorted(latencies.values())
+    p99 = ordered[int(0.99 * (len(ordered) - 1))]
+    report(
+        "backend kills during claims",
+        kills=kills,
+        events=len(ordered),
+        taken_back_or_retried=released,
+        p50_s=ordered[len(ordered) // 2],
+        p99_s=p99,
+        max_s=ordered[-1],
+        lease_s=lease,
+    )
+    assert producer.committed <= set(latencies)
+    assert kills >= 15, "too few claims were hit to prove anything"
+    assert ordered[-1] < lease / 3, "an event waited for its lease to expire"
