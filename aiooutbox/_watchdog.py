@@ -69,10 +69,11 @@ class HorizonHolder:
 
     def remedy(self) -> str:
         """The statement that ends this holder."""
+        quoted = "'" + self.name.replace("'", "''") + "'"
         if self.kind == "replication slot":
-            return "SELECT pg_drop_replication_slot('%s')" % self.name.replace("'", "''")
+            return f"SELECT pg_drop_replication_slot({quoted})"
         if self.kind == "prepared transaction":
-            return "ROLLBACK PREPARED '%s'" % self.name.replace("'", "''")
+            return f"ROLLBACK PREPARED {quoted}"
         return f"SELECT pg_terminate_backend({self.pid})"
 
     def as_dict(self) -> dict[str, Any]:
