@@ -724,3 +724,13 @@ def test_k8s_manifest_parses_and_uses_real_flags() -> None:
                 probe = container["readinessProbe"]["httpGet"]
                 assert probe["path"] == "/healthz"
     assert checked >= 5
+
+
+async def test_mvcc_holder_benchmark_runs_at_a_tiny_size(pg_server: str) -> None:
+    """`python -m benchmarks.mvcc_holder` cannot rot: both modes, and the watchdog's name."""
+    from benchmarks.mvcc_holder import drain
+
+    database = f"aiooutbox_mvcc_{uuid.uuid4().hex[:8]}"
+    held = await drain(pg_server, 300, held=True, database=database)
+    report("mvcc holder benchmark (tiny)", **held)
+    assert held["events"] == 300 and held["watchdog_named_holder"]
