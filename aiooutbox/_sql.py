@@ -501,7 +501,10 @@ class Queries:
     @property
     def horizon_holders(self) -> str:
         # kind, pid, name, state, seconds open (NULL for slots), xid age, detail; the
-        # oldest first. Logical slots only hold catalog_xmin, which never pins this table.
+        # oldest first. Only what pins this database's tables: its own backends and
+        # prepared transactions (other databases' do not hold back its vacuum), and
+        # slots' xmin (hot_standby_feedback, server-wide); logical slots hold only
+        # catalog_xmin, which never pins the outbox table.
         return (
             "SELECT kind, pid, name, state, age_seconds, xid_age, detail FROM ("
             " SELECT 'backend' AS kind, a.pid, a.application_name AS name, a.state,"
@@ -513,6 +516,7 @@ class Queries:
             " FROM pg_catalog.pg_stat_activity AS a"
             " WHERE (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)"
             "  AND a.pid <> pg_catalog.pg_backend_pid()"
+            "  AND a.datname = pg_catalog.current_database()"
             " UNION ALL"
             " SELECT 'replication slot', s.active_pid, s.slot_name::text,"
             "  CASE WHEN s.active THEN 'active' ELSE 'inactive' END, NULL,"
@@ -523,6 +527,7 @@ class Queries:
             "  extract(epoch FROM (now() - p.prepared))::float8, age(p.transaction)::bigint,"
             "  p.owner::text || ' on ' || p.database::text"
             " FROM pg_catalog.pg_prepared_xacts AS p"
+            " WHERE p.database = pg_catalog.current_database()"
             ") AS h ORDER BY xid_age DESC NULLS LAST, age_seconds DESC NULLS LAST LIMIT $1"
         )
 
