@@ -487,7 +487,7 @@ async def test_recovery_racing_a_settle_at_the_lease_boundary(dsn: str) -> None:
     try:
         for _ in range(rounds):
             await aiooutbox.enqueue(setup, "t", {})
-            (row,) = await setup.fetch(Q.claim, worker_a, lease, ["t"], 1, 1 << 20)
+            (row,) = await setup.fetch(Q.claim, worker_a, lease, ["t"], 1, 1 << 20, 0)
             await asyncio.sleep(lease + rng.uniform(-0.01, 0.01))
 
             async def settle(row: asyncpg.Record = row) -> int:
@@ -513,7 +513,7 @@ async def test_recovery_racing_a_settle_at_the_lease_boundary(dsn: str) -> None:
                 fenced += 1
                 assert recovered and status == "retry", (settled, recovered, status)
                 # another worker takes it; the first worker's late outcome stays fenced
-                again = await setup.fetch(Q.claim, worker_b, 30.0, ["t"], 1, 1 << 20)
+                again = await setup.fetch(Q.claim, worker_b, 30.0, ["t"], 1, 1 << 20, 0)
                 assert [r["id"] for r in again] == [row["id"]]
                 reclaimed += 1
                 late = await racer_settle.fetchval(
@@ -569,7 +569,7 @@ async def test_backend_kills_during_claims_cost_no_lease(dsn: str) -> None:
             hit = await killer_conn.fetchval(
                 "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
                 " WHERE datname = current_database() AND application_name = 'claims'"
-                " AND state = 'active' AND query LIKE '%claim_v3%') AS t"
+                " AND state = 'active' AND query LIKE '%claim_v%') AS t"
             )
             kills += hit
             # after a hit, let a claim succeed: claim failures in a row back off (to 5 s)
