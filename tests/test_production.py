@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
@@ -734,3 +735,48 @@ async def test_mvcc_holder_benchmark_runs_at_a_tiny_size(pg_server: str) -> None
     held = await drain(pg_server, 300, held=True, database=database)
     report("mvcc holder benchmark (tiny)", **held)
     assert held["events"] == 300 and held["watchdog_named_holder"]
+
+
+async def test_watchdog_under_the_least_privilege_consumer_role(dsn: str) -> None:
+    """With the consumer grants of docs/guarantees.md the watchdog's queries run and
+    list another role's holder, but without its state and age (so it cannot be timed);
+    `GRANT pg_read_all_stats` (docs/deployment.md) shows both."""
+    role = f"outbox_consumer_{uuid.uuid4().hex[:8]}"
+    grants = re.search(
+        r"<!-- grants:consumer -->\n```sql\n(.*?)```",
+        (ROOT / "docs" / "guarantees.md").read_text(),
+        flags=re.S,
+    )
+    assert grants is not None
+    parts = urlsplit(dsn)
+    role_dsn = urlunsplit(parts._replace(netloc=f"{role}@{parts.netloc.rpartition('@')[2]}"))
+    admin_conn = await asyncpg.connect(dsn)
+    holder = await asyncpg.connect(dsn, server_settings={"application_name": "owner-report"})
+    try:
+        await admin_conn.execute(f'CREATE ROLE "{role}" LOGIN')
+        await admin_conn.execute(grants.group(1).replace("outbox_consumer", f'"{role}"'))
+        tx = holder.transaction(isolation="repeatable_read")
+        await tx.start()
+        await holder.fetchval("SELECT 1")
+        pid = holder.get_server_pid()
+        seen = []
+        for grant in (False, True):
+            if grant:
+                (_, _, sql) = _blocks("sql")
+                await admin_conn.execute(sql.replace("outbox_consumer", f'"{role}"'))
+            conn = await asyncpg.connect(role_dsn)
+            try:
+                mvcc = (await admin.stats(conn)).mvcc
+            finally:
+                await conn.close()
+            assert mvcc is not None and mvcc.dead_tuples is not None
+            (found,) = [h for h in mvcc.holders if h.pid == pid]
+            seen.append((found.name, found.state, found.age is not None))
+        await tx.rollback()
+    finally:
+        await holder.close()
+        await admin_conn.execute(f'DROP OWNED BY "{role}"')
+        await admin_conn.execute(f'DROP ROLE "{role}"')
+        await admin_conn.close()
+    report("watchdog privileges", without_grant=seen[0], with_grant=seen[1])
+    assert seen == [("owner-report", None, False), ("owner-report", "idle in transaction", True)]
