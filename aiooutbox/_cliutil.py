@@ -125,7 +125,9 @@ def _dsn(text: str) -> str:
             "postgresql://user:password@host:port/database"
         )
     try:
-        urlsplit(dsn).port  # noqa: B018 - raises on a malformed port
+        # several hosts (host1:port1,host2:port2, for failover): check every port
+        for host in urlsplit(dsn).netloc.rpartition("@")[2].split(","):
+            urlsplit(f"postgresql://{host}").port  # noqa: B018 - raises on a malformed port
     except ValueError as exc:
         raise InvalidArgument(f"invalid DSN {_clip(redact(dsn))!r}: {exc}") from None
     return dsn

@@ -59,6 +59,11 @@ class ConsumerOptions:
     statement_timeout: float = 10.0
     decoder: Decoder = decode_json
     max_claim_bytes: int = DEFAULT_MAX_CLAIM_BYTES
+    # production safety nets (docs/deployment.md)
+    listen_probe_interval: float | None = 5.0
+    watchdog_interval: float | None = 60.0
+    horizon_warning: float = 300.0
+    dead_tuples_warning: int = 1_000_000
 
     @classmethod
     def build(
@@ -81,6 +86,10 @@ class ConsumerOptions:
         statement_timeout: object = 10.0,
         decoder: object = None,
         max_claim_bytes: object = DEFAULT_MAX_CLAIM_BYTES,
+        listen_probe_interval: object = 5.0,
+        watchdog_interval: object = 60.0,
+        horizon_warning: object = 300.0,
+        dead_tuples_warning: object = 1_000_000,
     ) -> ConsumerOptions:
         """Check every value (raising `TypeError`/`InvalidArgument`) and freeze them."""
         q = queries(schema, table)  # validated inside
@@ -111,6 +120,12 @@ class ConsumerOptions:
             statement_timeout=check_seconds("statement_timeout", statement_timeout, minimum=0.1),
             decoder=decoder or decode_json,
             max_claim_bytes=check_count("max_claim_bytes", max_claim_bytes, 1, 1 << 40),
+            listen_probe_interval=optional_seconds(
+                "listen_probe_interval", listen_probe_interval, minimum=0.1
+            ),
+            watchdog_interval=optional_seconds("watchdog_interval", watchdog_interval, minimum=1.0),
+            horizon_warning=check_seconds("horizon_warning", horizon_warning, minimum=1.0),
+            dead_tuples_warning=check_count("dead_tuples_warning", dead_tuples_warning, 1, 1 << 62),
         )
 
     @property

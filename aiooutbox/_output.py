@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ._options import ConsumerOptions
+from ._watchdog import MvccReport
 from .admin import STATUSES, DeadEvent, OutboxStats
 
 __all__ = ["age", "dead_table", "duration", "stats_view", "table"]
@@ -94,7 +96,41 @@ def stats_view(report: OutboxStats, *, hint: str = "") -> str:
             "consumer seen handling the topic (none holds its events, none idle advertises "
             "it): run one with a handler for it"
         )
+    if report.mvcc is not None:
+        parts += _mvcc_lines(report.mvcc)
     return "\n".join(parts)
+
+
+def _mvcc_lines(mvcc: MvccReport) -> list[str]:
+    """The watchdog's view: dead tuples, the horizon's oldest holder, warnings past the
+    consumers' default thresholds."""
+    lines = []
+    if mvcc.dead_tuples is not None:
+        vacuumed = (
+            mvcc.last_vacuum.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+            if (mvcc.last_vacuum)
+            else "never"
+        )
+        lines.append(
+            f"dead tuples: {mvcc.dead_tuples} (live {mvcc.live_tuples}, last vacuum {vacuumed})"
+        )
+    if not mvcc.holders:
+        lines.append("xmin horizon: held by no other session")
+        return lines
+    lines.append(f"xmin horizon: oldest holder {mvcc.holders[0].describe()}")
+    defaults = ConsumerOptions()
+    for holder in mvcc.holders:
+        if holder.pins(defaults.horizon_warning):
+            lines.append(
+                f"warning: the xmin horizon is held by {holder.describe()}: vacuum cannot "
+                "remove the outbox's dead rows while it lasts (docs/deployment.md)"
+            )
+    if mvcc.dead_tuples is not None and mvcc.dead_tuples >= defaults.dead_tuples_warning:
+        lines.append(
+            f"warning: {mvcc.dead_tuples} dead tuples in the outbox table: check the "
+            "horizon and autovacuum (docs/deployment.md)"
+        )
+    return lines
 
 
 def dead_table(events: Sequence[DeadEvent], *, error_width: int = 70) -> str:

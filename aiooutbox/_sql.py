@@ -516,3 +516,54 @@ class Queries:
     @staticmethod
     def create_database(name: str) -> str:
         return f'CREATE DATABASE "{validate_identifier("database", name)}"'
+
+    # -- MVCC watchdog (aiooutbox/_watchdog.py) --------------------------------------
+    # What pins the xmin horizon (vacuum then keeps the queue's dead tuples) and how
+    # many dead tuples the outbox table carries. Read-only catalog views; the holders
+    # of other roles' sessions show only with pg_read_all_stats (pg_monitor).
+
+    @property
+    def watchdog_lock(self) -> str:
+        # one consumer per outbox checks at a time; the lock ends with the transaction
+        return "SELECT pg_try_advisory_xact_lock(1870616420, hashtext($1))"
+
+    @property
+    def horizon_holders(self) -> str:
+        # kind, pid, name, state, seconds open (NULL for slots), xid age, detail; the
+        # oldest first. Only what pins this database's tables: its own backends and
+        # prepared transactions (other databases' do not hold back its vacuum), and
+        # slots' xmin (hot_standby_feedback, server-wide); logical slots hold only
+        # catalog_xmin, which never pins the outbox table.
+        return (
+            "SELECT kind, pid, name, state, age_seconds, xid_age, detail FROM ("
+            " SELECT 'backend' AS kind, a.pid, a.application_name AS name, a.state,"
+            "  extract(epoch FROM (now() - coalesce(a.xact_start, a.backend_start)))::float8"
+            "   AS age_seconds,"
+            "  greatest(age(a.backend_xmin), age(a.backend_xid))::bigint AS xid_age,"
+            "  coalesce(a.datname, '') || coalesce(' as ' || a.usename, '')"
+            "   || coalesce(': ' || left(a.query, 120), '') AS detail"
+            " FROM pg_catalog.pg_stat_activity AS a"
+            " WHERE (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)"
+            "  AND a.pid <> pg_catalog.pg_backend_pid()"
+            "  AND a.datname = pg_catalog.current_database()"
+            " UNION ALL"
+            " SELECT 'replication slot', s.active_pid, s.slot_name::text,"
+            "  CASE WHEN s.active THEN 'active' ELSE 'inactive' END, NULL,"
+            "  age(s.xmin)::bigint, s.slot_type || coalesce(' on ' || s.database, '')"
+            " FROM pg_catalog.pg_replication_slots AS s WHERE s.xmin IS NOT NULL"
+            " UNION ALL"
+            " SELECT 'prepared transaction', NULL, p.gid, 'prepared',"
+            "  extract(epoch FROM (now() - p.prepared))::float8, age(p.transaction)::bigint,"
+            "  p.owner::text || ' on ' || p.database::text"
+            " FROM pg_catalog.pg_prepared_xacts AS p"
+            " WHERE p.database = pg_catalog.current_database()"
+            ") AS h ORDER BY xid_age DESC NULLS LAST, age_seconds DESC NULLS LAST LIMIT $1"
+        )
+
+    @property
+    def table_vacuum_stats(self) -> str:
+        # dead tuples, live tuples, last (auto)vacuum of this outbox table
+        return (
+            "SELECT n_dead_tup, n_live_tup, greatest(last_vacuum, last_autovacuum)"
+            " FROM pg_catalog.pg_stat_user_tables WHERE schemaname = $1 AND relname = $2"
+        )

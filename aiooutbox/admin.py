@@ -29,6 +29,7 @@ import asyncpg
 
 from ._codec import decode_json
 from ._sql import DEFAULT_SCHEMA, DEFAULT_TABLE, queries
+from ._watchdog import MvccReport, inspect_mvcc
 from .errors import InvalidArgument
 
 __all__ = [
@@ -166,6 +167,8 @@ class OutboxStats:
     topics: list[TopicStats] = field(default_factory=list)
     in_flight: list[WorkerStats] = field(default_factory=list)
     unconsumed: list[UnconsumedTopic] = field(default_factory=list)
+    # the xmin horizon's holders and the table's dead tuples (the MVCC watchdog's view)
+    mvcc: MvccReport | None = None
 
     @property
     def totals(self) -> dict[str, int]:
@@ -198,6 +201,7 @@ class OutboxStats:
                 {"topic": u.topic, "waiting": u.waiting, "lag_seconds": u.lag}
                 for u in self.unconsumed
             ],
+            "mvcc": None if self.mvcc is None else self.mvcc.as_dict(),
         }
 
 
@@ -242,6 +246,7 @@ async def stats(
         lags = {r[0]: r[1] for r in await conn.fetch(q.oldest_claimable)}
         workers = await conn.fetch(q.in_flight_by_worker)
         unconsumed = await unconsumed_topics(conn, schema=schema, table=table)
+        mvcc = await inspect_mvcc(conn, q)
     by_topic: dict[str, dict[str, int]] = {}
     for topic, status, count in counts:
         by_topic.setdefault(topic, dict.fromkeys(STATUSES, 0))[status] = count
@@ -250,6 +255,7 @@ async def stats(
         topics=[TopicStats(t, c, lags.get(t)) for t, c in sorted(by_topic.items())],
         in_flight=[WorkerStats(w or "?", n, age or 0.0) for w, n, age in workers],
         unconsumed=unconsumed,
+        mvcc=mvcc,
     )
 
 

@@ -29,6 +29,7 @@ from ._options import DEFAULT_MAX_CLAIM_BYTES, ConsumerOptions
 from ._rows import ClaimedRow
 from ._settler import Settler
 from ._sql import DEFAULT_SCHEMA, DEFAULT_TABLE
+from ._watchdog import Watchdog
 from .errors import InvalidArgument
 from .handlers import ALL_TOPICS, Handler, HandlerFunc, resolve_handlers
 from .migrations import check_schema
@@ -97,6 +98,14 @@ class OutboxConsumer:
       stalled network or lock never hangs the consumer.
     - ``observers=()``: `aiooutbox.observe.Observer` instances told about claims,
       handler runs and outcomes (metrics, tracing); none costs nothing.
+    - ``listen_probe_interval=5.0``: the listener sends itself one notification this
+      often and reconnects (claiming at once) if it does not come back; ``None``
+      keeps only a keep-alive query, which misses a link that answers but is deaf.
+    - ``watchdog_interval=60.0``, ``horizon_warning=300.0``,
+      ``dead_tuples_warning=1_000_000``: the MVCC watchdog (`aiooutbox._watchdog`)
+      warns about a transaction, prepared transaction or replication slot pinning the
+      xmin horizon longer than ``horizon_warning`` seconds, and about the outbox
+      table's dead tuples; ``watchdog_interval=None`` turns it off.
 
     A handler registered for the topic ``"*"`` handles every topic without a handler
     of its own, and makes the consumer claim every topic (as relays do).
@@ -124,6 +133,10 @@ class OutboxConsumer:
         decoder: Decoder | None = None,
         max_claim_bytes: int = DEFAULT_MAX_CLAIM_BYTES,
         observers: Sequence[Observer] = (),
+        listen_probe_interval: float | timedelta | None = 5.0,
+        watchdog_interval: float | timedelta | None = 60.0,
+        horizon_warning: float | timedelta = 300.0,
+        dead_tuples_warning: int = 1_000_000,
     ) -> None:
         if not isinstance(pool, asyncpg.Pool):
             raise TypeError(
@@ -149,6 +162,10 @@ class OutboxConsumer:
             statement_timeout=statement_timeout,
             decoder=decoder,
             max_claim_bytes=max_claim_bytes,
+            listen_probe_interval=listen_probe_interval,
+            watchdog_interval=watchdog_interval,
+            horizon_warning=horizon_warning,
+            dead_tuples_warning=dead_tuples_warning,
         )
         if isinstance(observers, Observer) or not isinstance(observers, Sequence):
             raise TypeError("observers must be a list of aiooutbox.observe.Observer")
@@ -395,6 +412,8 @@ class OutboxConsumer:
                     dsn=o.listen_dsn,
                     keepalive=max(o.poll_interval, 5.0),
                     timeout=o.statement_timeout,
+                    worker_id=o.worker_id,
+                    probe_interval=o.listen_probe_interval,
                 )
                 # a stop() during the first connect must not wait for its timeout
                 with anyio.CancelScope() as self._startup_scope:
@@ -416,6 +435,8 @@ class OutboxConsumer:
             )
             services.start_soon(maintenance.heartbeat_loop)
             services.start_soon(maintenance.recovery_loop)
+            if o.watchdog_interval is not None:
+                services.start_soon(Watchdog(self._pool, o).run)
             executor = Executor(
                 handlers=self._handlers,
                 settler=settler,
