@@ -471,15 +471,9 @@ async def database(args: argparse.Namespace, *, check: bool = True) -> AsyncIter
 async def apply_migrations(
     db: asyncpg.Connection | asyncpg.Pool, args: argparse.Namespace
 ) -> list[int]:
-    """`migrate`; behind PgBouncer in one transaction, because its session advisory lock
-    and unlock must reach the same server connection (a transaction pins one)."""
-    if not args.pgbouncer:
-        return await migrate(db, schema=args.schema, table=args.table)
-    if isinstance(db, asyncpg.Pool):
-        async with db.acquire() as conn:
-            return await apply_migrations(conn, args)
-    async with db.transaction():
-        return await migrate(db, schema=args.schema, table=args.table)
+    """`migrate`; safe behind PgBouncer in transaction mode as it is (each step is one
+    transaction holding its own transaction-level advisory lock)."""
+    return await migrate(db, schema=args.schema, table=args.table)
 
 
 @contextlib.asynccontextmanager

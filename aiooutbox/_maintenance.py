@@ -111,9 +111,7 @@ class Maintenance:
     async def _promote_orphans(self) -> None:
         """Once at start: keys whose next event waits with no head left (a promotion
         lost with a crashed consumer) move on."""
-        row = await bounded(
-            self._pool, "fetchrow", self._q.promote_orphans, timeout=self._timeout
-        )
+        row = await bounded(self._pool, "fetchrow", self._q.promote_orphans, timeout=self._timeout)
         if row is not None and row["promoted"]:
             logger.warning(
                 "promoted the next event of %d ordered key(s) left without a head",

@@ -186,12 +186,8 @@ class Queries:
         return f"INSERT INTO {self.versions_table} (version, name) VALUES ($1, $2)"
 
     @property
-    def advisory_lock(self) -> str:
-        return "SELECT pg_advisory_lock(hashtextextended($1, 0))"
-
-    @property
-    def advisory_unlock(self) -> str:
-        return "SELECT pg_advisory_unlock(hashtextextended($1, 0))"
+    def advisory_xact_lock(self) -> str:
+        return "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))"
 
     # -- producer ------------------------------------------------------------------
     # Written once with $n placeholders; `for_paramstyle` renders them for %s drivers.

@@ -1,6 +1,6 @@
 """Versioned schema migrations: numbered SQL files shipped in the wheel.
 
-`migrate` applies the missing files, each in its own transaction, under a session
+`migrate` applies the missing files, each in its own transaction, under a transaction
 advisory lock so that processes starting together don't race, and refuses to touch a
 database migrated by a newer aiooutbox. `migration_sql` renders the same SQL for teams
 that apply migrations with their own tool.
@@ -115,43 +115,41 @@ async def migrate(
 
 
 async def _migrate(conn: asyncpg.Connection, q: Queries) -> list[int]:
-    # one lock per schema, not per table: outboxes migrated together into a new schema
-    # would otherwise race on CREATE SCHEMA IF NOT EXISTS (a unique violation)
-    lock_key = f"aiooutbox:{q.schema}"
-    await conn.execute(q.advisory_lock, lock_key)
-    try:
+    # One lock per schema, not per table: outboxes migrated together into a new schema
+    # would otherwise race on CREATE SCHEMA IF NOT EXISTS (a unique violation). A
+    # transaction-level lock, taken again by every step: it needs no unlock, and each
+    # step stays on one server connection behind PgBouncer in transaction mode.
+    key = f"aiooutbox:{q.schema}"
+    async with conn.transaction():
+        await conn.execute(q.advisory_xact_lock, key)
         # even with IF NOT EXISTS, CREATE SCHEMA needs CREATE on the database: a role
         # granted only rights on an existing schema must not need it
         if not await conn.fetchval(q.schema_exists, q.schema):
             await conn.execute(q.create_schema)
         await conn.execute(q.create_versions_table)
-        applied = await _applied(conn, q)
-        _refuse_newer(applied, q)
+        _refuse_newer(await _applied(conn, q), q)
         await conn.execute(q.create_compat_versions_table)
-        done: list[int] = []
-        for m in migrations():
-            if m.version in applied:
+    done: list[int] = []
+    for m in migrations():
+        # each migration in its own transaction: 0004 adds an enum value that 0005 uses
+        async with conn.transaction():
+            await conn.execute(q.advisory_xact_lock, key)
+            if m.version in await _applied(conn, q):  # another process got here first
                 continue
-            async with conn.transaction():
-                await conn.execute(q.render(m.template))
-                if _in_versions_table(m):
-                    await conn.execute(q.record_version, m.version, m.name)
-                if m.compatible_with is not None:
-                    await conn.execute(
-                        q.record_compat_version, m.version, m.name, m.compatible_with
-                    )
-            logger.info(
-                "applied migration %04d_%s to %s",
-                m.version,
-                m.name,
-                q.qualified,
-                extra={"version": m.version, "outbox": q.qualified},
-            )
-            done.append(m.version)
-        return done
-    finally:
-        if not conn.is_closed():
-            await conn.execute(q.advisory_unlock, lock_key)
+            await conn.execute(q.render(m.template))
+            if _in_versions_table(m):
+                await conn.execute(q.record_version, m.version, m.name)
+            if m.compatible_with is not None:
+                await conn.execute(q.record_compat_version, m.version, m.name, m.compatible_with)
+        logger.info(
+            "applied migration %04d_%s to %s",
+            m.version,
+            m.name,
+            q.qualified,
+            extra={"version": m.version, "outbox": q.qualified},
+        )
+        done.append(m.version)
+    return done
 
 
 def _in_versions_table(m: Migration) -> bool:

@@ -137,7 +137,7 @@ async def test_benchmark_suite_runs_at_tiny_sizes(pg_server: str, tmp_path: Path
     # 5. history: the claim stays on the partial index with done rows in the table
     history = loaded["history"]
     assert history["explain"]["uses_index"], history["explain"]["generic_plan"]
-    assert "outbox_events_claimable_idx" in history["explain"]["generic_plan"]
+    assert "outbox_events_topic_claimable_idx" in history["explain"]["generic_plan"]
     assert positive(history["summary"]["ratio"])
     assert all(r["finished"] == r["size"] for r in history["runs"])
 

@@ -120,7 +120,8 @@ async def test_concurrent_migrations_apply_exactly_once(empty_dsn: str) -> None:
     conns = await asyncio.gather(*(asyncpg.connect(empty_dsn) for _ in range(8)))
     try:
         results = await asyncio.gather(*(aiooutbox.migrate(c) for c in conns))
-        assert sorted(results) == [[]] * 7 + [ALL]
+        # every migration applied exactly once (a step may go to any of the callers)
+        assert sorted(v for r in results for v in r) == ALL
         assert await versions(conns[0]) == shipped()
         assert await relations(conns[0]) >= OUTBOX_OBJECTS
         # every connection sees a ready schema and can produce
@@ -135,7 +136,7 @@ async def test_concurrent_migrations_apply_exactly_once(empty_dsn: str) -> None:
 async def test_concurrent_migrations_from_one_pool(empty_dsn: str) -> None:
     async with asyncpg.create_pool(empty_dsn, min_size=4, max_size=4) as pool:
         results = await asyncio.gather(*(aiooutbox.migrate(pool) for _ in range(8)))
-        assert sorted(results) == [[]] * 7 + [ALL]
+        assert sorted(v for r in results for v in r) == ALL
         await aiooutbox.check_schema(pool)
 
 

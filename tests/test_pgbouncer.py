@@ -25,8 +25,11 @@ import asyncpg
 import pytest
 
 import aiooutbox
+from aiooutbox.migrations import migrations as _shipped
 from tests.clirunner import Runner, clean_env, cli
 from tests.helpers import status_counts, wait_until
+
+ALL_VERSIONS = [m.version for m in _shipped()]
 
 PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
 HANDLERS = "tests.cli_handlers:handlers"
@@ -157,7 +160,7 @@ async def test_migrate_produce_and_run_through_pgbouncer(bounced: tuple[str, str
     env = clean_env()
 
     first = await cli("migrate", "--dsn", bouncer, "--pgbouncer", env=env)
-    assert first.rc == 0 and "applied migration(s) [1, 2]" in first.out, first
+    assert first.rc == 0 and f"applied migration(s) {ALL_VERSIONS}" in first.out, first
     again = await cli("migrate", "--dsn", bouncer, env=clean_env(AIOOUTBOX_PGBOUNCER="1"))
     assert again.rc == 0 and "is up to date" in again.out, again
 
