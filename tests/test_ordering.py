@@ -1,0 +1,317 @@
+"""Ordered delivery per key (``ordering_key``), against a real PostgreSQL.
+
+The run log is written by the handlers themselves (a row when a run starts, completed
+when it ends) and checked with SQL: no two runs of a key overlap, and every run of an
+event starts after a successful run of each earlier event of its key has ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+
+import asyncpg
+import pytest
+
+import aiooutbox
+from aiooutbox.errors import InvalidArgument
+from tests.faults.ordered_proc import RUNS_DDL
+from tests.helpers import all_in, running, status_counts, truthy, wait_until
+
+FAST = aiooutbox.RetryPolicy(base=0.02, max_delay=0.1)
+
+# runs of one key that overlap in time (killed runs, never ended, are left out)
+OVERLAPS = """
+SELECT count(*) FROM runs a JOIN runs b ON a.okey = b.okey AND a.run < b.run
+WHERE a.ended IS NOT NULL AND b.ended IS NOT NULL
+  AND a.started < b.ended AND b.started < a.ended
+"""
+# runs that started before a successful run of an earlier event of their key had ended
+OUT_OF_ORDER = """
+SELECT count(*) FROM runs r
+WHERE EXISTS (
+    SELECT 1 FROM runs p WHERE p.okey = r.okey AND p.seq < r.seq
+    GROUP BY p.event_id
+    HAVING NOT bool_or(p.outcome = 'ok' AND p.ended <= r.started))
+   OR EXISTS (  -- an earlier event of the key that never ran successfully at all
+    SELECT 1 FROM generate_series(0, r.seq - 1) AS s(seq)
+    WHERE NOT EXISTS (SELECT 1 FROM runs p WHERE p.okey = r.okey AND p.seq = s.seq
+                      AND p.outcome = 'ok' AND p.ended <= r.started))
+"""
+
+
+async def _produce(pool: asyncpg.Pool, keys: int, per_key: int) -> None:
+    # interleaved across keys, in order within each key
+    events = [
+        aiooutbox.NewEvent("t", {"seq": seq}, ordering_key=f"key-{k}")
+        for seq in range(per_key)
+        for k in range(keys)
+    ]
+    for i in range(0, len(events), 2000):
+        await aiooutbox.enqueue_many(pool, events[i : i + 2000])
+
+
+async def _check(pool: asyncpg.Pool) -> None:
+    assert await pool.fetchval(OVERLAPS) == 0
+    assert await pool.fetchval(OUT_OF_ORDER) == 0
+
+
+@pytest.fixture
+async def runs(pool: asyncpg.Pool) -> asyncpg.Pool:
+    await pool.execute(RUNS_DDL)
+    return pool
+
+
+def _recorder(pool: asyncpg.Pool, fail_rate: float = 0.0) -> aiooutbox.HandlerFunc:
+    async def handle(event: aiooutbox.Event) -> None:
+        run = await pool.fetchval(
+            "INSERT INTO runs (event_id, okey, seq, worker, attempt) VALUES ($1, $2, $3, 'w', $4)"
+            " RETURNING run",
+            event.id,
+            event.ordering_key,
+            event.payload["seq"],
+            event.attempts,
+        )
+        await asyncio.sleep(random.random() * 0.003)
+        fail = event.attempts == 1 and random.random() < fail_rate
+        await pool.execute(
+            "UPDATE runs SET ended = clock_timestamp(), outcome = $2 WHERE run = $1",
+            run,
+            "failed" if fail else "ok",
+        )
+        if fail:
+            raise RuntimeError("first attempt fails")
+
+    return handle
+
+
+async def test_keys_run_in_order_one_at_a_time_across_consumers(runs: asyncpg.Pool) -> None:
+    await _produce(runs, keys=40, per_key=15)
+    consumers = [
+        aiooutbox.OutboxConsumer(runs, concurrency=32, retry=FAST, worker_id=f"c{i}")
+        for i in range(3)
+    ]
+    handler = _recorder(runs, fail_rate=0.1)
+    async with (
+        running(consumers[0], {"t": handler}),
+        running(consumers[1], {"t": handler}),
+        running(consumers[2], {"t": handler}),
+    ):
+        await wait_until(all_in(runs, "done", 600), timeout=90)
+    await _check(runs)
+    failed = await runs.fetchval("SELECT count(*) FROM runs WHERE outcome = 'failed'")
+    assert failed > 0  # the failures really happened, and order held through them
+
+
+async def test_unordered_events_are_unaffected(runs: asyncpg.Pool) -> None:
+    ids = await aiooutbox.enqueue_many(runs, [aiooutbox.NewEvent("u", i) for i in range(50)])
+    seen: list[int] = []
+
+    async def handle(event: aiooutbox.Event) -> None:
+        assert event.ordering_key is None
+        seen.append(event.id)
+
+    async with running(aiooutbox.OutboxConsumer(runs), {"u": handle}):
+        await wait_until(all_in(runs, "done", 50))
+    assert sorted(seen) == ids
+
+
+async def test_a_dead_head_lets_its_key_move_on_by_default(runs: asyncpg.Pool) -> None:
+    poison = await aiooutbox.enqueue(runs, "t", {"seq": 0}, ordering_key="k", max_attempts=2)
+    later = await aiooutbox.enqueue(runs, "t", {"seq": 1}, ordering_key="k")
+    seen: list[int] = []
+
+    async def handle(event: aiooutbox.Event) -> None:
+        if event.id == poison:
+            raise RuntimeError("never works")
+        seen.append(event.id)
+
+    async with running(aiooutbox.OutboxConsumer(runs, retry=FAST), {"t": handle}):
+        await wait_until(truthy(lambda: seen == [later]), timeout=20)
+    assert await status_counts(runs) == {"dead": 1, "done": 1}
+
+
+async def test_a_dead_head_blocks_its_key_when_the_handler_says_so(runs: asyncpg.Pool) -> None:
+    poison = await aiooutbox.enqueue(runs, "t", {"seq": 0}, ordering_key="k", max_attempts=2)
+    later = await aiooutbox.enqueue_many(
+        runs,
+        [aiooutbox.NewEvent("t", {"seq": n}, ordering_key="k") for n in (1, 2)]
+        + [aiooutbox.NewEvent("t", {"seq": 0}, ordering_key="other")],
+    )
+    seen: list[int] = []
+
+    async def handle(event: aiooutbox.Event) -> None:
+        if event.id == poison:
+            raise aiooutbox.Dead("bad data")
+        seen.append(event.id)
+
+    handlers = {"t": aiooutbox.Handler(handle, on_dead="block")}
+    async with running(aiooutbox.OutboxConsumer(runs, retry=FAST, poll_interval=0.1), handlers):
+        await wait_until(truthy(lambda: seen == [later[2]]), timeout=20)
+        await asyncio.sleep(0.5)  # several polls: the blocked key stays blocked
+        assert seen == [later[2]]
+        assert await status_counts(runs) == {"dead": 1, "done": 1, "waiting": 2}
+        # the operator retries the dead head: the key resumes, in order
+        await runs.execute(
+            "UPDATE outbox_events SET status = 'pending', attempts = 0, blocks_key = false,"
+            " available_at = now() WHERE id = $1",
+            poison,
+        )
+        await runs.execute("SELECT * FROM outbox_events_promote(ARRAY['k'])")
+
+        async def handle_fixed(event: aiooutbox.Event) -> None:
+            seen.append(event.id)
+
+        # (the handler is looked up per event: swap in a fixed one)
+        handlers["t"] = aiooutbox.Handler(handle_fixed, on_dead="block")
+    consumer = aiooutbox.OutboxConsumer(runs, retry=FAST)
+    async with running(consumer, {"t": handlers["t"]}):
+        await wait_until(all_in(runs, "done", 4), timeout=20)
+    assert seen == [later[2], poison, later[0], later[1]]
+
+
+async def test_a_delayed_event_holds_back_the_rest_of_its_key(runs: asyncpg.Pool) -> None:
+    first = await aiooutbox.enqueue(runs, "t", {"seq": 0}, ordering_key="k", delay=1.0)
+    second = await aiooutbox.enqueue(runs, "t", {"seq": 1}, ordering_key="k")
+    seen: list[int] = []
+
+    async def handle(event: aiooutbox.Event) -> None:
+        seen.append(event.id)
+
+    async with running(aiooutbox.OutboxConsumer(runs, poll_interval=0.2), {"t": handle}):
+        await asyncio.sleep(0.5)
+        assert seen == []
+        await wait_until(truthy(lambda: seen == [first, second]), timeout=20)
+
+
+async def test_a_raw_sql_producer_sets_the_ordering_key(runs: asyncpg.Pool) -> None:
+    for n in range(5):
+        await runs.execute(
+            "INSERT INTO outbox_events (topic, payload, ordering_key) VALUES ('t', $1, 'raw')",
+            json.dumps({"seq": n}),
+        )
+    assert await status_counts(runs) == {"pending": 1, "waiting": 4}
+    seq: list[int] = []
+
+    async def handle(event: aiooutbox.Event) -> None:
+        seq.append(event.payload["seq"])
+
+    async with running(aiooutbox.OutboxConsumer(runs), {"t": handle}):
+        await wait_until(all_in(runs, "done", 5))
+    assert seq == [0, 1, 2, 3, 4]
+
+
+async def test_producers_serialized_on_an_aggregate_are_handled_in_commit_order(
+    runs: asyncpg.Pool,
+) -> None:
+    await runs.execute("CREATE TABLE orders (id int PRIMARY KEY, version int NOT NULL)")
+    await runs.execute("INSERT INTO orders VALUES (42, 0)")
+
+    async def produce() -> None:
+        async with runs.acquire() as conn, conn.transaction():
+            version = await conn.fetchval(
+                "UPDATE orders SET version = version + 1 WHERE id = 42 RETURNING version"
+            )
+            await asyncio.sleep(random.random() * 0.01)
+            await aiooutbox.enqueue(conn, "t", {"version": version}, ordering_key="order-42")
+
+    await asyncio.gather(*(produce() for _ in range(16)))
+    versions: list[int] = []
+
+    async def handle(event: aiooutbox.Event) -> None:
+        versions.append(event.payload["version"])
+
+    async with running(aiooutbox.OutboxConsumer(runs, concurrency=16), {"t": handle}):
+        await wait_until(all_in(runs, "done", 16))
+    assert versions == list(range(1, 17))
+
+
+async def test_enqueue_many_keeps_input_order_within_a_key(runs: asyncpg.Pool) -> None:
+    events = [
+        aiooutbox.NewEvent("t", {"seq": n}, ordering_key="k", dedupe_key=f"d{9 - n}")
+        for n in range(10)
+    ]
+    ids = await aiooutbox.enqueue_many(runs, events)
+    assert ids == sorted(ids)  # ids follow input order within the key, whatever the dedupe keys
+    seq: list[int] = []
+
+    async def handle(event: aiooutbox.Event) -> None:
+        seq.append(event.payload["seq"])
+
+    async with running(aiooutbox.OutboxConsumer(runs), {"t": handle}):
+        await wait_until(all_in(runs, "done", 10))
+    assert seq == list(range(10))
+
+
+@pytest.mark.parametrize(
+    ("key", "error", "message"),
+    [
+        (42, TypeError, "ordering_key must be a str or None"),
+        ("", InvalidArgument, "ordering_key must not be empty"),
+        ("x" * 513, InvalidArgument, "ordering_key must be at most 512 bytes"),
+        ("é" * 300, InvalidArgument, "ordering_key must be at most 512 bytes"),
+        ("a\x00b", InvalidArgument, "without NUL"),
+        ("\udcff", InvalidArgument, "ordering_key is not valid Unicode"),
+    ],
+)
+async def test_bad_ordering_keys_are_refused_before_anything_is_written(
+    pool: asyncpg.Pool, key: object, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        await aiooutbox.enqueue(pool, "t", {}, ordering_key=key)  # type: ignore[arg-type]
+    with pytest.raises(error, match=message):
+        await aiooutbox.enqueue_many(pool, [aiooutbox.NewEvent("t", {}, ordering_key=key)])  # type: ignore[arg-type]
+    assert await pool.fetchval("SELECT count(*) FROM outbox_events") == 0
+
+
+@pytest.mark.slow
+async def test_order_holds_through_a_sigkilled_consumer_process(
+    dsn: str, runs: asyncpg.Pool
+) -> None:
+    """300 keys x 40 events, three consumer processes (concurrency 64 each), 10% of first
+    attempts failing; one process is SIGKILLed mid-run and replaced."""
+    await _produce(runs, keys=300, per_key=40)
+    procs: list[asyncio.subprocess.Process] = []
+
+    async def start(name: str) -> asyncio.subprocess.Process:
+        config = {"dsn": dsn, "worker_id": name, "concurrency": 64, "lease_timeout": 3}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "tests.faults.ordered_proc",
+            json.dumps(config),
+            stdout=asyncio.subprocess.PIPE,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
+        assert proc.stdout is not None
+        assert (await asyncio.wait_for(proc.stdout.readline(), 60)).strip() == b"READY"
+        procs.append(proc)
+        return proc
+
+    try:
+        victim = await start("p0")
+        await start("p1")
+        await start("p2")
+        await wait_until(lambda: _done_at_least(runs, 3000), timeout=120, interval=0.05)
+        victim.send_signal(signal.SIGKILL)
+        await victim.wait()
+        await start("p3")
+        await wait_until(all_in(runs, "done", 12_000), timeout=240, interval=0.5)
+    finally:
+        for proc in procs:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            await asyncio.wait_for(proc.wait(), 60)
+    await _check(runs)
+    killed = await runs.fetchval("SELECT count(*) FROM runs WHERE ended IS NULL")
+    print(f"runs cut short by the kill: {killed}")
+
+
+async def _done_at_least(pool: asyncpg.Pool, n: int) -> bool:
+    got = await pool.fetchval("SELECT count(*) FROM outbox_events WHERE status = 'done'")
+    return bool(got >= n)
