@@ -448,3 +448,35 @@ async def test_catch_all_handler_claims_every_topic(pool: asyncpg.Pool) -> None:
     assert set(seen) == {*ids, late}
     message_ids = {m for _, m in seen.values()}
     assert len(message_ids) == 21 and all(uuid.UUID(str(m)) for m in message_ids)
+
+
+# -- 8. large payloads are decoded off the event loop --------------------------------------
+
+
+async def test_large_payloads_are_decoded_in_a_thread_small_ones_inline(pool: asyncpg.Pool) -> None:
+    import json
+    import threading
+
+    threads: dict[int, str] = {}
+
+    def decode(text: str | bytes) -> object:
+        value = json.loads(text)
+        threads[len(text)] = threading.current_thread().name
+        return value
+
+    big = {"blob": "x" * 3_000_000}
+    await aiooutbox.enqueue_many(
+        pool, [aiooutbox.NewEvent("t", big), aiooutbox.NewEvent("t", {"small": 1})]
+    )
+    seen: list[int] = []
+
+    async def handle(event: aiooutbox.Event) -> None:
+        seen.append(len(event.payload.get("blob", "")))
+
+    loop_thread = threading.current_thread().name
+    async with running(aiooutbox.OutboxConsumer(pool, decoder=decode), {"t": handle}):
+        await wait_until(all_in(pool, "done", 2), timeout=30)
+    assert sorted(seen) == [0, 3_000_000]
+    by_size = sorted(threads.items())
+    assert by_size[0][1] == loop_thread  # a small payload: decoded where it runs
+    assert by_size[-1][1] != loop_thread  # a 3 MB one: in a worker thread
