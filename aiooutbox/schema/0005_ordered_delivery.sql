@@ -394,3 +394,49 @@ BEGIN
     RETURN QUERY SELECT * FROM unnest(ids, topics, statuses, workers);
 END
 $fn$;
+
+-- An operator's redrive of dead events (`dead retry`): back to pending with attempts
+-- reset, except that per key only one event may be claimable. A dead event of an
+-- ordered key that has a head already (the key moved on past it) waits behind that
+-- head, out of its original order; the lowest retried event of a key without a head
+-- becomes the head. Its key is no longer blocked by it. Returns the requeued rows.
+CREATE FUNCTION "{{schema}}"."{{table}}_requeue_dead"(p_ids BIGINT[], p_topic TEXT)
+RETURNS TABLE (id BIGINT, topic TEXT, status TEXT, ordering_key TEXT)
+LANGUAGE plpgsql
+SET enable_seqscan = off
+SET jit = off
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    k TEXT;
+BEGIN
+    FOR k IN SELECT DISTINCT d.ordering_key FROM "{{schema}}"."{{table}}" d
+             WHERE d.status = 'dead' AND d.ordering_key IS NOT NULL
+               AND (p_ids IS NULL OR d.id = ANY (p_ids)) AND (p_topic IS NULL OR d.topic = p_topic)
+             ORDER BY 1 LOOP
+        PERFORM pg_advisory_xact_lock(hashtextextended('{{schema}}.{{table}}:' || k, 0));
+    END LOOP;
+    RETURN QUERY
+    WITH chosen AS (
+        SELECT d.id, d.ordering_key,
+               row_number() OVER (PARTITION BY d.ordering_key ORDER BY d.id) AS n
+        FROM "{{schema}}"."{{table}}" d
+        WHERE d.status = 'dead' AND (p_ids IS NULL OR d.id = ANY (p_ids))
+          AND (p_topic IS NULL OR d.topic = p_topic)),
+    r AS (
+        UPDATE "{{schema}}"."{{table}}" AS e SET
+            status = (CASE
+                WHEN c.ordering_key IS NULL THEN 'pending'
+                WHEN c.n = 1 AND NOT EXISTS (
+                    SELECT 1 FROM "{{schema}}"."{{table}}" h
+                    WHERE h.ordering_key = c.ordering_key
+                      AND h.status IN ('pending', 'retry', 'processing')) THEN 'pending'
+                ELSE 'waiting' END)::"{{schema}}"."{{table}}_status",
+            attempts = 0, available_at = now(), locked_by = NULL, locked_at = NULL,
+            finished_at = NULL, blocks_key = false, updated_at = now()
+        FROM chosen c
+        WHERE e.id = c.id
+        RETURNING e.id, e.topic, e.status::text AS status, e.ordering_key)
+    SELECT r.id, r.topic, r.status, r.ordering_key FROM r;
+END
+$fn$;
