@@ -253,6 +253,20 @@ def test_claim_window_shrinks_then_grows_back() -> None:
     assert sizes == [2, 4, 8, 16, 32, 64, 64, 64]
 
 
+def test_lingering_only_while_traffic_is_dense() -> None:
+    from aiooutbox._dispatcher import Arrivals
+
+    arrivals = Arrivals()
+    assert not arrivals.dense(0.0)
+    for i in range(50):  # 50 events/s: advertise idle at once, be woken by NOTIFY
+        arrivals.add(i * 0.02, 1)
+    assert not arrivals.dense(1.0)
+    for i in range(100):  # a burst of 1000 in 0.1 s: linger, spare producers NOTIFY
+        arrivals.add(1.0 + i * 0.001, 10)
+    assert arrivals.dense(1.1)
+    assert not arrivals.dense(2.2)  # and it forgets after a second
+
+
 async def test_claims_are_capped_by_bytes(pool: asyncpg.Pool) -> None:
     big = "x" * 300_000  # incompressible enough with the digits below
     await aiooutbox.enqueue_many(
