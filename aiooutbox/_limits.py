@@ -13,20 +13,29 @@ from datetime import timedelta
 from .errors import InvalidArgument
 
 __all__ = [
+    "MAX_ATTEMPTS",
     "MAX_DELAY_SECONDS",
+    "MAX_ENQUEUE_DELAY_SECONDS",
     "MAX_ERROR_CHARS",
     "MAX_TOPIC_LENGTH",
     "MAX_WORKER_ID",
     "check_count",
+    "check_number",
     "check_seconds",
     "check_topic_name",
     "optional_seconds",
 ]
 
 MAX_TOPIC_LENGTH = 255
-# a retry or schedule further out than this is a mistake, and now() + it must stay a
-# valid timestamptz: one limit for Retry(delay=...), RetryPolicy.max_delay and enqueue
+# a retry further out than this is a mistake, and now() + it must stay a valid
+# timestamptz (an overflow would fail the whole settle batch): the limit of
+# Retry(delay=...), RetryPolicy.max_delay and every consumer duration
 MAX_DELAY_SECONDS = 10 * 366 * 86400.0
+# enqueue(delay=...) schedules work, documented (docs/producers.md) as 0 to 1000 years;
+# now() + it stays below LATEST_AVAILABLE_AT's range by construction
+MAX_ENQUEUE_DELAY_SECONDS = 1000 * 366 * 86400.0
+# an event's max_attempts
+MAX_ATTEMPTS = 1_000_000
 MAX_WORKER_ID = 200
 # what we keep of a handler's exception (text and traceback) in last_error
 MAX_ERROR_CHARS = 4000
@@ -39,23 +48,48 @@ def check_seconds(
     if isinstance(value, timedelta):
         value = value.total_seconds()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number of seconds or a timedelta, not {value!r}")
-    if not math.isfinite(value) or not minimum <= value <= maximum:
+        raise TypeError(
+            f"{name} must be seconds or a timedelta, not {type(value).__name__} {value!r:.80}"
+        )
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int too large for a float
+        seconds = math.inf
+    if not math.isfinite(seconds) or not minimum <= seconds <= maximum:
         raise InvalidArgument(
             f"{name} must be a finite number of seconds between {minimum:g} and "
-            f"{maximum:g}, got {value!r}"
+            f"{maximum:.0f}{_years(maximum)}, got {seconds:g}"
         )
-    return float(value)
+    return seconds
+
+
+def _years(seconds: float) -> str:
+    years = seconds / (366 * 86400)
+    return f" ({years:.0f} years)" if math.isfinite(years) and years == round(years) >= 1 else ""
 
 
 def optional_seconds(name: str, value: object, *, minimum: float) -> float | None:
     return None if value is None else check_seconds(name, value, minimum=minimum)
 
 
+def check_number(name: str, value: object, low: float, high: float) -> float:
+    """A finite int or float (not a bool) within ``[low, high]``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, not {type(value).__name__} {value!r:.80}")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or not low <= number <= high:
+        bounds = f"at least {low:g}" if high == math.inf else f"within [{low:g}, {high:g}]"
+        raise InvalidArgument(f"{name} must be a finite number {bounds}, got {value!r:.80}")
+    return number
+
+
 def check_count(name: str, value: object, low: int, high: int) -> int:
     """An int (not a bool) within ``[low, high]``."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, not {value!r}")
+        raise TypeError(f"{name} must be an int, not {type(value).__name__} {value!r:.80}")
     if not low <= value <= high:
         raise InvalidArgument(f"{name} must be between {low} and {high}, got {value}")
     return value
@@ -65,11 +99,18 @@ def check_topic_name(topic: object, what: str = "topic") -> str:
     """A topic: 1-255 characters, not blank, no NUL, valid Unicode."""
     if not isinstance(topic, str):
         raise TypeError(f"{what} must be a str, not {type(topic).__name__}")
-    if not topic.strip() or len(topic) > MAX_TOPIC_LENGTH or "\x00" in topic:
-        shown = topic if len(topic) <= 80 else topic[:77] + "..."
+    if not topic.strip():
         raise InvalidArgument(
-            f"{what} must be 1-{MAX_TOPIC_LENGTH} characters, not blank, without NUL: {shown!r}"
+            f"{what} must be a non-empty string of 1-{MAX_TOPIC_LENGTH} characters, "
+            f"not blank: {topic!r}"
         )
+    if len(topic) > MAX_TOPIC_LENGTH:
+        raise InvalidArgument(
+            f"{what} is {len(topic)} characters long; the limit is {MAX_TOPIC_LENGTH}: "
+            f"{topic[:40]!r}..."
+        )
+    if "\x00" in topic:
+        raise InvalidArgument(f"{what} contains a NUL character: {topic!r}")
     if not topic.isascii():
         try:
             topic.encode("utf-8")

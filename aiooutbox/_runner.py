@@ -30,6 +30,7 @@ from ._cliutil import (
     redact,
     resolve_dsn,
 )
+from ._options import ConsumerOptions
 from .consumer import OutboxConsumer
 from .errors import InvalidArgument
 from .handlers import Handler, resolve_handlers
@@ -164,6 +165,58 @@ class _Signals:
             os._exit(130)
 
 
+# the command-line flag of each setting `ConsumerOptions.build` and `RetryPolicy` check
+_FLAGS = {
+    "concurrency": "--concurrency",
+    "batch_size": "--batch-size",
+    "each of topics": "--topics",
+    "poll_interval": "--poll-interval",
+    "lease_timeout": "--lease-timeout",
+    "shutdown_grace": "--shutdown-grace",
+    "handler_timeout": "--handler-timeout",
+    "retention": "--retention",
+    "listen_dsn": "--listen-dsn",
+    "RetryPolicy.base": "--retry-base",
+    "RetryPolicy.factor": "--retry-factor",
+    "RetryPolicy.max_delay": "--retry-max-delay",
+    "RetryPolicy.jitter": "--retry-jitter",
+}
+
+
+def build_options(args: argparse.Namespace) -> ConsumerOptions:
+    """The run command's settings, checked once by `ConsumerOptions.build`; a bad one
+    is a `UsageError` naming its flag."""
+    try:
+        retry = RetryPolicy(
+            base=args.retry_base,
+            factor=args.retry_factor,
+            max_delay=args.retry_max_delay,
+            jitter=args.retry_jitter,
+        )
+        return ConsumerOptions.build(
+            concurrency=args.concurrency,
+            batch_size=args.batch_size,
+            topics=args.topics,
+            poll_interval=args.poll_interval,
+            lease_timeout=args.lease_timeout,
+            shutdown_grace=args.shutdown_grace,
+            retry=retry,
+            handler_timeout=args.handler_timeout,
+            listen=args.listen,
+            listen_dsn=args.listen_dsn,
+            retention=args.retention,
+            schema=args.schema,
+            table=args.table,
+        )
+    except (InvalidArgument, TypeError) as exc:
+        message = str(exc)
+        for name, flag in _FLAGS.items():
+            if message.startswith(name + " "):
+                message = flag + message[len(name) :]
+                break
+        raise UsageError(message) from None
+
+
 async def cmd_run(args: argparse.Namespace) -> int:
     handlers = await load_handlers(args.handlers)
     if args.topics:
@@ -173,32 +226,13 @@ async def cmd_run(args: argparse.Namespace) -> int:
                 f"--topics {','.join(unknown)}: no handler in {args.handlers} "
                 f"(it handles {', '.join(sorted(handlers))})"
             )
-    if args.batch_size and args.batch_size > args.concurrency:
-        raise UsageError(f"--batch-size {args.batch_size} exceeds --concurrency")
-    if args.lease_timeout < 1:
-        raise UsageError("--lease-timeout must be at least 1s")
-    if args.poll_interval < 0.01:
-        raise UsageError("--poll-interval must be at least 10ms")
-    if args.handler_timeout is not None and args.handler_timeout < 0.001:
-        raise UsageError("--handler-timeout must be at least 1ms (or none)")
-    if args.retention is not None and args.retention < 1:
-        raise UsageError("--retention must be at least 1s (or none, to keep done events)")
-    if args.retry_factor < 1:
-        raise UsageError(f"--retry-factor must be at least 1, got {args.retry_factor:g}")
-    try:
-        args.retry = RetryPolicy(
-            base=args.retry_base,
-            factor=args.retry_factor,
-            max_delay=args.retry_max_delay,
-            jitter=args.retry_jitter,
-        )
-    except InvalidArgument as exc:
-        raise UsageError(str(exc)) from None
+    options = build_options(args)
+    args.retry = options.retry
     check_listen_options(args)
     check_metrics_options(args)
     with _Signals() as signals:
         try:
-            return await _serve(args, handlers, signals)
+            return await _serve(args, options, handlers, signals)
         except asyncio.CancelledError:
             if not signals.received:
                 raise
@@ -272,13 +306,22 @@ async def telemetry(args: argparse.Namespace) -> AsyncIterator[Telemetry]:
         metrics.unregister()
 
 
-async def _serve(args: argparse.Namespace, handlers: dict[str, Handler], signals: _Signals) -> int:
+async def _serve(
+    args: argparse.Namespace,
+    options: ConsumerOptions,
+    handlers: dict[str, Handler],
+    signals: _Signals,
+) -> int:
     async with telemetry(args) as observed:
-        return await _consume(args, handlers, signals, observed)
+        return await _consume(args, options, handlers, signals, observed)
 
 
 async def _consume(
-    args: argparse.Namespace, handlers: dict[str, Handler], signals: _Signals, observed: Telemetry
+    args: argparse.Namespace,
+    options: ConsumerOptions,
+    handlers: dict[str, Handler],
+    signals: _Signals,
+    observed: Telemetry,
 ) -> int:
     dsn = await resolve_dsn(args, log=True)
     async with (
@@ -290,23 +333,7 @@ async def _consume(
             logger.info("schema %s", f"migrated to {applied}" if applied else "up to date")
         await stack.enter_async_context(observed.queue_gauges(pool, args))
         topics = sorted(args.topics or handlers)
-        consumer = OutboxConsumer(
-            pool,
-            concurrency=args.concurrency,
-            batch_size=args.batch_size,
-            topics=args.topics,
-            poll_interval=args.poll_interval,
-            lease_timeout=args.lease_timeout,
-            shutdown_grace=args.shutdown_grace,
-            retry=args.retry,
-            handler_timeout=args.handler_timeout,
-            retention=args.retention,
-            listen=args.listen,
-            listen_dsn=args.listen_dsn,
-            schema=args.schema,
-            table=args.table,
-            observers=observed.observers,
-        )
+        consumer = OutboxConsumer.from_options(pool, options, observers=observed.observers)
         async with consumer:
             signals.consumer = consumer
             logger.info(

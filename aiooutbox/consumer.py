@@ -191,9 +191,13 @@ class OutboxConsumer:
         self._observers.attached(self)
 
     @classmethod
-    def from_options(cls, pool: asyncpg.Pool, options: ConsumerOptions) -> OutboxConsumer:
+    def from_options(
+        cls, pool: asyncpg.Pool, options: ConsumerOptions, *, observers: Sequence[Observer] = ()
+    ) -> OutboxConsumer:
         """A consumer with settings validated earlier (the CLI and the integrations)."""
-        consumer = cls(pool, worker_id=options.worker_id, schema=options.schema)
+        consumer = cls(
+            pool, worker_id=options.worker_id, schema=options.schema, observers=observers
+        )
         consumer.options = options
         return consumer
 

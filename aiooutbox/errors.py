@@ -18,10 +18,6 @@ from datetime import timedelta
 __all__ = ["Dead", "InvalidArgument", "OutboxError", "Retry", "SchemaNotReady", "SchemaTooNew"]
 
 
-# a longer delay would overflow PostgreSQL's timestamp range and fail the whole settle batch
-_MAX_RETRY_DELAY = 10 * 366 * 86400.0
-
-
 class OutboxError(Exception):
     """Base class for errors raised by aiooutbox itself."""
 
@@ -46,16 +42,11 @@ class Retry(Exception):
     """
 
     def __init__(self, delay: float | timedelta = 0.0, reason: str = "retry requested") -> None:
-        seconds = delay.total_seconds() if isinstance(delay, timedelta) else delay
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-            raise TypeError(f"Retry(delay=...) takes seconds or a timedelta, not {delay!r}")
-        if not 0 <= seconds <= _MAX_RETRY_DELAY:
-            raise InvalidArgument(
-                f"Retry(delay=...) must be between 0 and {_MAX_RETRY_DELAY:.0f} seconds "
-                f"(10 years), got {delay!r}"
-            )
+        from ._limits import check_seconds  # _limits imports this module
+
+        seconds = check_seconds("Retry(delay=...)", delay)
         super().__init__(reason)
-        self.delay = float(seconds)
+        self.delay = seconds
         self.reason = reason
 
 

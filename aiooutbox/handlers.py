@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
-from ._limits import check_topic_name
+from ._limits import check_seconds, check_topic_name
 from .errors import InvalidArgument
 from .events import Event
 from .retry import RetryPolicy
@@ -109,10 +109,10 @@ def _check_handler(topic: str, handler: Handler) -> Handler:
     if handler.retry is not None and not isinstance(handler.retry, RetryPolicy):
         raise TypeError(f"retry for {topic!r} must be a RetryPolicy, got {handler.retry!r}")
     if handler.timeout is not None:
-        if isinstance(handler.timeout, bool) or not isinstance(handler.timeout, (int, float)):
-            raise TypeError(f"timeout for {topic!r} must be seconds, got {handler.timeout!r}")
-        if not 0 < handler.timeout < float("inf"):
-            raise InvalidArgument(f"timeout for {topic!r} must be > 0, got {handler.timeout!r}")
+        # the same bounds as the consumer's handler_timeout; a timedelta becomes seconds
+        seconds = check_seconds(f"timeout for {topic!r}", handler.timeout, minimum=0.001)
+        if type(handler.timeout) is not float:
+            handler = replace(handler, timeout=seconds)
     if handler.on_dead not in ("skip", "block"):
         raise InvalidArgument(
             f"on_dead for {topic!r} must be 'skip' or 'block', got {handler.on_dead!r}"
@@ -120,8 +120,19 @@ def _check_handler(topic: str, handler: Handler) -> Handler:
     return handler
 
 
+class _Resolved(dict[str, Handler]):
+    """What `resolve_handlers` returns; given one again, it returns it unchecked."""
+
+
 def resolve_handlers(handlers: object) -> dict[str, Handler]:
-    """Validate a mapping of topic to async function or `Handler`; raise on misuse."""
+    """Validate a mapping of topic to async function or `Handler`; raise on misuse.
+
+    The web integrations, `run_consumer` and `OutboxConsumer.run` each accept raw
+    handlers, so each calls this; the first call does the work, the others see its
+    result and return it as it is.
+    """
+    if isinstance(handlers, _Resolved):
+        return handlers
     if not isinstance(handlers, Mapping):
         raise TypeError(
             "handlers must be a mapping of topic to async handler (or an aiooutbox.Router), "
@@ -129,7 +140,7 @@ def resolve_handlers(handlers: object) -> dict[str, Handler]:
         )
     if not handlers:
         raise InvalidArgument("handlers is empty: register at least one topic")
-    resolved: dict[str, Handler] = {}
+    resolved = _Resolved()
     for topic, value in handlers.items():
         _check_topic(topic)
         handler = value if isinstance(value, Handler) else Handler(value)

@@ -8,13 +8,20 @@ psycopg, SQLAlchemy or Django connections, and `aiooutbox.sync` is the blocking 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from . import _adapters
 from ._codec import Encoder, check_utf8, encode_json
+from ._limits import (
+    MAX_ATTEMPTS,
+    MAX_ENQUEUE_DELAY_SECONDS,
+    MAX_TOPIC_LENGTH,
+    check_count,
+    check_seconds,
+    check_topic_name,
+)
 from ._sql import DEFAULT_SCHEMA, DEFAULT_TABLE, Queries, queries
 from .errors import InvalidArgument
 from .events import NewEvent
@@ -29,17 +36,15 @@ __all__ = [
 ]
 
 DEFAULT_MAX_ATTEMPTS = 5
-MAX_TOPIC_LENGTH = 255
 # in UTF-8 bytes: the unique btree index refuses entries over 2704 bytes
 MAX_DEDUPE_KEY_LENGTH = 1024
 # The schedule's limits, in one place. An absolute ``available_at`` must fall within
 # [EARLIEST_AVAILABLE_AT, LATEST_AVAILABLE_AT]: PostgreSQL would store datetime.min as
 # -infinity, which no driver reads back as an aware datetime, and years past 9999 do not
 # fit Python's datetime. ``now() + delay`` stays inside that range by construction: a
-# delay is 0..1000 years.
+# delay is 0..1000 years (`MAX_ENQUEUE_DELAY_SECONDS`).
 EARLIEST_AVAILABLE_AT = datetime(1970, 1, 1, tzinfo=timezone.utc)
 LATEST_AVAILABLE_AT = datetime(9000, 1, 1, tzinfo=timezone.utc)
-MAX_DELAY_SECONDS = 1000 * 366 * 86400.0
 MAX_BATCH = 100_000
 # in UTF-8 bytes, as the table's check constraint says (migration 0005)
 MAX_ORDERING_KEY_LENGTH = 512
@@ -101,18 +106,7 @@ def _check_ordering_key(key: object, where: str) -> str | None:
 
 
 def _check_topic(topic: object, where: str) -> str:
-    if not isinstance(topic, str):
-        raise TypeError(f"{where}topic must be a str, not {type(topic).__name__}")
-    if not topic or not topic.strip():
-        raise InvalidArgument(f"{where}topic must be a non-empty string")
-    if len(topic) > MAX_TOPIC_LENGTH:
-        raise InvalidArgument(
-            f"{where}topic is {len(topic)} characters long; the limit is {MAX_TOPIC_LENGTH}"
-        )
-    if "\x00" in topic:
-        raise InvalidArgument(f"{where}topic contains a NUL character")
-    check_utf8(topic, f"{where}topic")
-    return topic
+    return check_topic_name(topic, f"{where}topic")
 
 
 def _check_dedupe_key(key: object, where: str) -> str | None:
@@ -166,11 +160,7 @@ def _check_headers(headers: object, encoder: Encoder | None, where: str) -> str:
 def _check_max_attempts(value: object, where: str) -> int:
     if value is None:
         return DEFAULT_MAX_ATTEMPTS
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{where}max_attempts must be an int, not {type(value).__name__}")
-    if not 1 <= value <= 1_000_000:
-        raise InvalidArgument(f"{where}max_attempts must be between 1 and 1000000, got {value}")
-    return value
+    return check_count(f"{where}max_attempts", value, 1, MAX_ATTEMPTS)
 
 
 def _check_schedule(
@@ -199,20 +189,7 @@ def _check_schedule(
         return available_at, 0.0
     if delay is None:
         return None, 0.0
-    if isinstance(delay, timedelta):
-        seconds = delay.total_seconds()
-    elif isinstance(delay, (int, float)) and not isinstance(delay, bool):
-        try:
-            seconds = float(delay)
-        except OverflowError:  # an int too large for a float
-            seconds = math.inf
-    else:
-        raise TypeError(f"{where}delay must be seconds or a timedelta, not {type(delay).__name__}")
-    if not math.isfinite(seconds) or not 0 <= seconds <= MAX_DELAY_SECONDS:
-        raise InvalidArgument(
-            f"{where}delay must be a finite number of seconds between 0 and "
-            f"{MAX_DELAY_SECONDS:.0f} (1000 years), got {seconds:g}"
-        )
+    seconds = check_seconds(f"{where}delay", delay, maximum=MAX_ENQUEUE_DELAY_SECONDS)
     return None, seconds
 
 

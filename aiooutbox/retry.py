@@ -6,7 +6,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from .errors import InvalidArgument
+from ._limits import check_number, check_seconds
 
 __all__ = ["RetryPolicy"]
 
@@ -27,20 +27,15 @@ class RetryPolicy:
     jitter: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("base", "factor", "max_delay", "jitter"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"RetryPolicy.{name} must be a number, not {value!r}")
-            if not math.isfinite(value) or value < 0:
-                raise InvalidArgument(f"RetryPolicy.{name} must be finite and >= 0, got {value}")
-        if self.factor < 1:
-            raise InvalidArgument(f"RetryPolicy.factor must be >= 1, got {self.factor}")
-        if self.max_delay > 10 * 366 * 86400:
-            raise InvalidArgument(
-                f"RetryPolicy.max_delay must be at most 10 years, got {self.max_delay}"
-            )
-        if self.jitter > 1:
-            raise InvalidArgument(f"RetryPolicy.jitter must be within [0, 1], got {self.jitter}")
+        # stored as floats, so a timedelta (accepted as everywhere else) computes too
+        checked = {
+            "base": check_seconds("RetryPolicy.base", self.base, maximum=math.inf),
+            "max_delay": check_seconds("RetryPolicy.max_delay", self.max_delay),
+            "factor": check_number("RetryPolicy.factor", self.factor, 1.0, math.inf),
+            "jitter": check_number("RetryPolicy.jitter", self.jitter, 0.0, 1.0),
+        }
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
 
     def ceiling(self, attempts: int) -> float:
         """The largest delay after the ``attempts``-th failure."""

@@ -71,7 +71,7 @@ def outbox_ctx(
         if unused:
             raise TypeError(f"consumer options {unused} need handlers to run a consumer")
     elif isinstance(handlers, Mapping):
-        resolve_handlers(handlers)  # fail while building the app, not at startup
+        handlers = resolve_handlers(handlers)  # fail while building the app, not at startup
     elif not callable(handlers):
         raise TypeError(
             "handlers must be a mapping of topic to async handler, or a function of the app "

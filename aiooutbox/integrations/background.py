@@ -45,11 +45,11 @@ async def run_consumer(
     Cancelling the block's task during shutdown is absorbed until the consumer has
     stopped (a second cancellation cancels running handlers at once), then re-raised.
     """
-    resolve_handlers(handlers)  # misuse fails here, before any task exists
+    resolved = resolve_handlers(handlers)  # misuse fails here, before any task exists
     consumer = OutboxConsumer(pool, **consumer_options)
     async with consumer:  # checks the schema
         task = asyncio.create_task(
-            consumer.run(handlers), name=f"aiooutbox consumer {consumer.worker_id}"
+            consumer.run(resolved), name=f"aiooutbox consumer {consumer.worker_id}"
         )
         try:
             await _until_started(consumer, task)
