@@ -17,7 +17,7 @@ from typing import Any
 import asyncpg
 
 from . import _output, admin
-from ._sql import queries
+from ._admin_sql import admin_queries
 from .consumer import OutboxConsumer
 from .errors import Dead, InvalidArgument, Retry
 from .events import Event, NewEvent
@@ -96,7 +96,7 @@ async def run_demo(
     hint: str,
     embedded_dir: Path | None = None,
 ) -> int:
-    q = queries(schema, table)
+    q = admin_queries(schema, table)
     await migrate(pool, schema=schema, table=table)
     foreign = await pool.fetchval(q.not_demo_events)
     if foreign:

@@ -56,9 +56,13 @@ def check_seconds(
     except OverflowError:  # an int too large for a float
         seconds = math.inf
     if not math.isfinite(seconds) or not minimum <= seconds <= maximum:
+        bounds = (
+            f"of at least {minimum:g}"
+            if maximum == math.inf
+            else f"between {minimum:g} and {maximum:.0f}{_years(maximum)}"
+        )
         raise InvalidArgument(
-            f"{name} must be a finite number of seconds between {minimum:g} and "
-            f"{maximum:.0f}{_years(maximum)}, got {seconds:g}"
+            f"{name} must be a finite number of seconds {bounds}, got {seconds:g}"
         )
     return seconds
 

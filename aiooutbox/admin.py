@@ -27,7 +27,9 @@ from typing import Any
 
 import asyncpg
 
+from ._admin_sql import admin_queries
 from ._codec import decode_json
+from ._limits import check_count, check_seconds
 from ._sql import DEFAULT_SCHEMA, DEFAULT_TABLE, queries
 from ._watchdog import MvccReport, inspect_mvcc
 from .errors import InvalidArgument
@@ -83,12 +85,7 @@ def parse_duration(text: str) -> float:
 
 
 def _seconds(name: str, value: float | timedelta) -> float:
-    seconds = value.total_seconds() if isinstance(value, timedelta) else value
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-        raise TypeError(f"{name} must be seconds or a timedelta, not {value!r}")
-    if not math.isfinite(seconds) or seconds < 0:
-        raise InvalidArgument(f"{name} must be a finite number of seconds >= 0, got {value!r}")
-    return float(seconds)
+    return check_seconds(name, value, maximum=math.inf)  # any age or wait, however long
 
 
 def _ids(ids: Collection[int] | None) -> list[int] | None:
@@ -241,10 +238,11 @@ async def stats(
 ) -> OutboxStats:
     """Count rows by topic and status; measure lag; list the rows each consumer holds."""
     q = queries(schema, table)
+    a = admin_queries(schema, table)
     async with _connection(db) as conn:
-        counts = await conn.fetch(q.stats_by_topic)
-        lags = {r[0]: r[1] for r in await conn.fetch(q.oldest_claimable)}
-        workers = await conn.fetch(q.in_flight_by_worker)
+        counts = await conn.fetch(a.stats_by_topic)
+        lags = {r[0]: r[1] for r in await conn.fetch(a.oldest_claimable)}
+        workers = await conn.fetch(a.in_flight_by_worker)
         unconsumed = await unconsumed_topics(conn, schema=schema, table=table)
         mvcc = await inspect_mvcc(conn, q)
     by_topic: dict[str, dict[str, int]] = {}
@@ -269,10 +267,10 @@ async def unconsumed_topics(
 ) -> list[UnconsumedTopic]:
     """Topics, other than ``handled``, whose oldest claimable event has waited at least
     ``waited`` seconds with no consumer in sight (see `UnconsumedTopic`)."""
-    q = queries(schema, table)
+    a = admin_queries(schema, table)
     topics = None if handled is None else sorted(handled)
     async with _connection(db) as conn:
-        rows = await conn.fetch(q.unconsumed_topics, topics, _seconds("waited", waited))
+        rows = await conn.fetch(a.unconsumed_topics, topics, _seconds("waited", waited))
     return [UnconsumedTopic(r[0], r[1], r[2]) for r in rows]
 
 
@@ -285,9 +283,9 @@ async def event_statuses(
 ) -> dict[int, str]:
     """The status of each of ``ids`` that exists."""
     checked = _ids(ids) or []
-    q = queries(schema, table)
+    a = admin_queries(schema, table)
     async with _connection(db) as conn:
-        return {r[0]: r[1] for r in await conn.fetch(q.event_statuses, checked)}
+        return {r[0]: r[1] for r in await conn.fetch(a.event_statuses, checked)}
 
 
 async def dead_list(
@@ -299,13 +297,10 @@ async def dead_list(
     table: str = DEFAULT_TABLE,
 ) -> list[DeadEvent]:
     """Dead events, oldest id first, optionally of one topic; at most ``limit``."""
-    if isinstance(limit, bool) or not isinstance(limit, int):
-        raise TypeError(f"limit must be an int, not {limit!r}")
-    if not 1 <= limit <= 100_000:
-        raise InvalidArgument(f"limit must be between 1 and 100000, got {limit}")
-    q = queries(schema, table)
+    check_count("limit", limit, 1, 100_000)
+    a = admin_queries(schema, table)
     async with _connection(db) as conn:
-        rows = await conn.fetch(q.dead_list, topic, limit)
+        rows = await conn.fetch(a.dead_list, topic, limit)
     return [
         DeadEvent(
             id=r[0],
@@ -357,8 +352,9 @@ async def requeue_dead(
     checked = _ids(ids)
     _selection(checked, topic, everything, "retry")
     q = queries(schema, table)
+    a = admin_queries(schema, table)
     async with _connection(db) as conn, conn.transaction():
-        rows = [(r[0], r[1]) for r in await conn.fetch(q.dead_retry, checked, topic)]
+        rows = [(r[0], r[1]) for r in await conn.fetch(a.dead_retry, checked, topic)]
         if rows:
             await conn.execute(q.notify, q.channel, sorted({t for _, t in rows}))
     return sorted(rows)
@@ -405,9 +401,9 @@ async def delete_dead(
     checked = _ids(ids)
     _selection(checked, topic, everything, "purge")
     age = None if older_than is None else _seconds("older_than", older_than)
-    q = queries(schema, table)
+    a = admin_queries(schema, table)
     async with _connection(db) as conn:
-        return sorted(r[0] for r in await conn.fetch(q.dead_purge, checked, topic, age))
+        return sorted(r[0] for r in await conn.fetch(a.dead_purge, checked, topic, age))
 
 
 async def purge(
@@ -430,16 +426,16 @@ async def purge(
             f"cannot purge {status!r} events: only finished ones ({' or '.join(PURGEABLE)})"
         )
     age = _seconds("older_than", older_than)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise InvalidArgument(f"batch_size must be a positive int, got {batch_size!r}")
+    check_count("batch_size", batch_size, 1, 2**31 - 1)  # LIMIT's range
     q = queries(schema, table)
+    a = admin_queries(schema, table)
     deleted = 0
     async with _connection(db) as conn:
         while True:
             if status == "done":
                 result: str = await conn.execute(q.purge_done, age, batch_size)
             else:
-                result = await conn.execute(q.purge_status, status, age, batch_size)
+                result = await conn.execute(a.purge_status, status, age, batch_size)
             count = int(result.rsplit(" ", 1)[-1])
             deleted += count
             if count < batch_size:

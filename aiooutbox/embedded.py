@@ -23,7 +23,7 @@ from urllib.parse import urlsplit, urlunsplit
 import anyio
 import asyncpg
 
-from ._sql import Queries, queries
+from ._admin_sql import AdminQueries, admin_queries
 from .errors import OutboxError
 
 __all__ = [
@@ -119,10 +119,10 @@ async def ensure(data_dir: str | Path = DEFAULT_DATA_DIR) -> str:
     admin = await anyio.to_thread.run_sync(start, data_dir)
     conn = await asyncpg.connect(admin, timeout=10)
     try:
-        if not await conn.fetchval(queries().database_exists, DATABASE):
+        if not await conn.fetchval(admin_queries().database_exists, DATABASE):
             # a command starting beside us may create it first
             with contextlib.suppress(asyncpg.DuplicateDatabaseError, asyncpg.UniqueViolationError):
-                await conn.execute(Queries.create_database(DATABASE))
+                await conn.execute(AdminQueries.create_database(DATABASE))
     finally:
         await conn.close()
     return _app_dsn(admin)

@@ -41,6 +41,7 @@ from hypothesis.stateful import (
 )
 
 import aiooutbox
+from aiooutbox._admin_sql import admin_queries
 from aiooutbox._options import DEFAULT_MAX_CLAIM_BYTES as MAX_CLAIM_BYTES
 from aiooutbox._sql import queries
 from tests.conftest import TEMPLATE, _drop, _new_database, with_database
@@ -371,7 +372,7 @@ def make_machine(world: World) -> type[RuleBasedStateMachine]:
         def operator_redrive(self) -> None:
             """``aiooutbox dead retry``: dead rows back to pending with fresh attempts."""
             before = world.snapshot()
-            got = world.run(world.conn.fetch(Q.dead_retry, None, None))
+            got = world.run(world.conn.fetch(admin_queries().dead_retry, None, None))
             after = world.snapshot()
             dead = {i for i, r in before.items() if r.status == "dead"}
             assert len(got) == len(dead)
