@@ -1,4 +1,4 @@
-"""Versioned schema migrations: numbered SQL files shipped in the wheel.
+"""Versioned schema migrations: the numbered SQL files of the top-level ``schema/``.
 
 `migrate` applies the missing files, each in its own transaction, under a transaction
 advisory lock so that processes starting together don't race, and refuses to touch a
@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
+from importlib.resources.abc import Traversable
+from pathlib import Path
 
 import asyncpg
 
@@ -48,11 +50,27 @@ _COMPATIBLE = re.compile(r"^-- compatible-with: (\d+)\s*$", re.MULTILINE)
 _PRE_FLOOR = 2
 
 
+def _schema_dir() -> Traversable:
+    """Where the numbered SQL files are: ``aiooutbox/schema`` inside an installed wheel
+    (hatch's ``force-include`` puts them there), else the top-level ``schema/`` of the
+    source checkout this package is imported from (``pip install -e``, or a test run)."""
+    installed = resources.files("aiooutbox").joinpath("schema")
+    if installed.is_dir():
+        return installed
+    checkout = Path(__file__).resolve().parent.parent / "schema"
+    if (checkout / "0001_outbox.sql").is_file():
+        return checkout
+    raise RuntimeError(
+        f"aiooutbox's SQL migrations are missing: neither {installed} nor {checkout} "
+        "exists; reinstall aiooutbox"
+    )
+
+
 @lru_cache(maxsize=1)
 def migrations() -> tuple[Migration, ...]:
     """The migrations shipped with this version of the library, in order."""
     found = []
-    for entry in resources.files("aiooutbox").joinpath("schema").iterdir():
+    for entry in _schema_dir().iterdir():
         match = _FILE.match(entry.name)
         if match:
             text = entry.read_text(encoding="utf-8")

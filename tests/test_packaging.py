@@ -1,4 +1,9 @@
-"""The wheel built from this tree ships the SQL migrations and the typing marker."""
+"""The wheel built from this tree ships the SQL migrations and the typing marker.
+
+The numbered SQL files live in the repository's top-level ``schema/``; the wheel carries
+them as ``aiooutbox/schema/`` (hatch ``force-include``), and `aiooutbox.migrations`
+finds them in both places.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import aiooutbox
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "aiooutbox"
+SCHEMA = ROOT / "schema"
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +45,7 @@ def names(wheel: Path) -> set[str]:
 
 
 def test_the_wheel_ships_every_migration_byte_for_byte(wheel: Path) -> None:
-    sql_files = sorted((PACKAGE / "schema").glob("*.sql"))
+    sql_files = sorted(SCHEMA.glob("*.sql"))
     assert [p.name for p in sql_files][:1] == ["0001_outbox.sql"]
     with zipfile.ZipFile(wheel) as zf:
         for path in sql_files:
@@ -78,6 +84,28 @@ def test_the_wheel_metadata(wheel: Path) -> None:
     assert {"test", "embedded"} <= extras
 
 
+def test_every_migration_is_in_the_top_level_schema_directory() -> None:
+    # a file left in (or added to) aiooutbox/schema/ would shadow the top-level ones in
+    # a checkout and be missing from the wheel: `git mv` it to schema/
+    assert not (PACKAGE / "schema").exists(), sorted(p.name for p in (PACKAGE / "schema").iterdir())
+    stray = [p.relative_to(ROOT).as_posix() for p in PACKAGE.rglob("*.sql")]
+    assert stray == []
+    names = [p.name for p in sorted(SCHEMA.glob("*.sql"))]
+    assert names[0] == "0001_outbox.sql"
+    assert [int(n[:4]) for n in names] == list(range(1, len(names) + 1))
+
+
+def test_a_checkout_reads_the_top_level_schema_directory() -> None:
+    # what `pip install -e .` (the test run itself) imports: the package of this tree
+    from aiooutbox.migrations import _schema_dir, migrations
+
+    assert Path(aiooutbox.__file__).resolve().is_relative_to(ROOT)
+    assert Path(str(_schema_dir())).resolve() == SCHEMA
+    assert [m.template for m in migrations()] == [
+        p.read_text(encoding="utf-8") for p in sorted(SCHEMA.glob("*.sql"))
+    ]
+
+
 def test_the_installed_wheel_finds_its_migrations(wheel: Path, tmp_path: Path) -> None:
     site = tmp_path / "site"
     with zipfile.ZipFile(wheel) as zf:
@@ -104,7 +132,35 @@ def test_the_installed_wheel_finds_its_migrations(wheel: Path, tmp_path: Path) -
     assert Path(found["file"]).resolve().is_relative_to(site.resolve()), found["file"]
     expected = [
         [int(p.name[:4]), p.name[5:-4], len(p.read_text(encoding="utf-8"))]
-        for p in sorted((PACKAGE / "schema").glob("*.sql"))
+        for p in sorted(SCHEMA.glob("*.sql"))
     ]
     assert found["migrations"] == expected
     assert found["sql"] == aiooutbox.migration_sql(schema="s", table="t")
+
+
+def test_the_installed_wheel_migrates_a_real_database(
+    wheel: Path, tmp_path: Path, empty_dsn: str
+) -> None:
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(site)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    env.pop("AIOOUTBOX_DSN", None)
+    script = "import aiooutbox, sys; print(aiooutbox.__file__)"
+    where = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env,
+        timeout=60, check=True,
+    ).stdout.strip()  # fmt: skip
+    assert Path(where).resolve().is_relative_to(site.resolve()), where
+    proc = subprocess.run(
+        [sys.executable, "-m", "aiooutbox", "migrate", "--dsn", empty_dsn],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    versions = [int(p.name[:4]) for p in sorted(SCHEMA.glob("*.sql"))]
+    assert f"applied migration(s) {versions}" in proc.stdout, proc.stdout
