@@ -28,9 +28,7 @@ from .retry import RetryPolicy
 __all__ = ["DEFAULT_MAX_CLAIM_BYTES", "ConsumerOptions"]
 
 # A claim stops adding rows once the stored payloads it holds reach this many bytes
-# (after TOAST compression; the first row is always taken). 64 rows of ~7 MB JSON in
-# one claim took longer than the 10 s statement timeout and blocked the event loop
-# for ~12 s while decoding; capped, each claim stays well under a second.
+# (after TOAST compression; the first row is always taken); why: docs/benchmarks.md, 8.
 DEFAULT_MAX_CLAIM_BYTES = 16 * 1024 * 1024
 
 

@@ -1,4 +1,7 @@
-"""Every SQL statement aiooutbox runs, named, for one (schema, table) outbox.
+"""The statements producers, consumers and migrations run, named, for one outbox.
+
+Operator, demo and server-wide statements are in `_admin_sql`; the migrations' own SQL
+is in the top-level ``schema/``.
 
 Identifiers are validated to ``[a-z_][a-z0-9_]*`` and always double-quoted; values are
 always bind parameters. Payloads and headers travel as ``text`` and are cast in SQL, so

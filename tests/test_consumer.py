@@ -7,6 +7,7 @@ import itertools
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
+from functools import partial
 
 import asyncpg
 import pytest
@@ -294,7 +295,8 @@ async def test_idle_consumer_wakes_on_notify_long_before_its_poll(pool: asyncpg.
         for _ in range(5):
             sent = time.monotonic()
             event_id = await aiooutbox.enqueue(pool, "ping", {})
-            await wait_until(lambda eid=event_id: _has(started, eid), timeout=10, interval=0.001)
+            assert event_id is not None
+            await wait_until(partial(_has, started, event_id), timeout=10, interval=0.001)
             latencies.append(started[event_id] - sent)
             await wait_until(lambda: _is_idle(pool, consumer))
         assert max(latencies) < 1.0, latencies  # the poll interval is 60 s
@@ -307,6 +309,7 @@ async def test_idle_consumer_wakes_on_notify_long_before_its_poll(pool: asyncpg.
         await wait_until(lambda: _is_idle(pool, consumer))
         sent = time.monotonic()
         event_id = await aiooutbox.enqueue(pool, "ping", {})
+        assert event_id is not None
         await wait_until(lambda: _has(started, event_id), timeout=10, interval=0.001)
         assert started[event_id] - sent < 1.0
     assert await status_counts(pool) == {"done": 6}
@@ -705,6 +708,7 @@ async def test_late_committed_row_behind_the_watermark_is_not_starved(pool: asyn
         tx = late.transaction()
         await tx.start()
         late_id = await aiooutbox.enqueue(late, "work", {"late": True})
+        assert late_id is not None
         await aiooutbox.enqueue_many(pool, [aiooutbox.NewEvent("work", i) for i in range(3000)])
         handled: dict[int, float] = {}
 

@@ -265,8 +265,8 @@ async def test_docs_snippet(index: int, example_env: str, conn: asyncpg.Connecti
             await eventually(lambda: _all_done(conn), "the welcome event")
     elif isinstance(app, web.Application):
         async with serve_aiohttp(app) as http:
-            response = await http.post("/users", params={"email": "ada@example.com"})
-            assert response.status == 200, await response.text()
+            reply = await http.post("/users", params={"email": "ada@example.com"})
+            assert reply.status == 200, await reply.text()
             await eventually(lambda: _all_done(conn), "the welcome event")
     else:
         main = asyncio.create_task(module.main())

@@ -370,7 +370,7 @@ async def test_fastapi_dependency_without_the_lifespan_says_what_to_do() -> None
 
 
 def notes_app(dsn: str, handlers: dict[str, Any] | None) -> web.Application:
-    options = {"poll_interval": 0.5} if handlers else {}
+    options: dict[str, Any] = {"poll_interval": 0.5} if handlers else {}
 
     async def database(app: web.Application) -> AsyncIterator[None]:
         async with asyncpg.create_pool(dsn, min_size=1, max_size=5) as pool:

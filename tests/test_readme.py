@@ -59,3 +59,6 @@ def test_readme_commands_match_ci() -> None:
     ci = (README.parent / ".ci" / "run").read_text()
     assert "pip install --quiet -e '.[test]'" in ci
     assert "pytest -q" in ci
+    # the fast lane the contributor section documents is the marker CI knows about
+    assert 'pytest -m "not slow"' in text
+    assert "mypy tests benchmarks" in ci and "--durations=15" in ci
