@@ -52,6 +52,7 @@ def positive(value: object) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
+@pytest.mark.slow  # a minute of benchmark child processes
 async def test_benchmark_suite_runs_at_tiny_sizes(pg_server: str, tmp_path: Path) -> None:
     bench = Bench(pg_server, tiny(), prefix=f"bsmoke_{uuid.uuid4().hex[:8]}_", log=lambda _: None)
     try:

@@ -225,6 +225,7 @@ async def test_stop_while_the_database_is_down_is_bounded(
 # -- 7. claims make progress when they are slower than the statement timeout ----------------
 
 
+@pytest.mark.slow  # waits out statement timeouts
 async def test_claims_shrink_after_a_timeout_and_make_progress(
     pool: asyncpg.Pool, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -39,6 +39,7 @@ def _pid(data_dir: Path) -> int:
     return int((data_dir / "postmaster.pid").read_text().split()[0])
 
 
+@pytest.mark.slow  # starts and stops embedded servers
 @pytest.mark.timeout(90)
 async def test_commands_start_then_share_one_server(data_dir: Path) -> None:
     env = clean_env(AIOOUTBOX_DATA_DIR=str(data_dir))

@@ -404,6 +404,7 @@ async def _sh(command: str, cwd: Path, env: dict[str, str]) -> Result:
     return Result(proc.returncode, out.decode(), err.decode())
 
 
+@pytest.mark.slow  # starts and stops embedded servers
 @pytest.mark.timeout(240)
 async def test_one_embedded_server_per_project_and_the_readme_as_printed(
     projects: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch

@@ -155,6 +155,7 @@ async def _produce(dsn: str, producers: int, each: int, tag: str) -> None:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow  # a PgBouncer of its own and four command-line processes
 async def test_migrate_produce_and_run_through_pgbouncer(bounced: tuple[str, str]) -> None:
     direct, bouncer = bounced
     env = clean_env()

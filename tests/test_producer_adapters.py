@@ -332,6 +332,7 @@ else:
 """
 
 
+@pytest.mark.slow  # four producer processes, 30,000 keys each
 async def test_producers_sharing_dedupe_keys_in_different_orders_do_not_deadlock(
     dsn: str, conn: asyncpg.Connection
 ) -> None:
