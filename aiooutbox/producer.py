@@ -67,11 +67,15 @@ class _Row:
     def __init__(self, event: NewEvent, encoder: Encoder | None, where: str = "") -> None:
         self.topic = _check_topic(event.topic, where)
         self.payload = encode_json(event.payload, f"{where}payload", encoder)
-        self.dedupe_key = _check_dedupe_key(event.dedupe_key, where)
+        self.dedupe_key = _check_key(
+            event.dedupe_key, f"{where}dedupe_key", MAX_DEDUPE_KEY_LENGTH, "no key"
+        )
         self.headers = _check_headers(event.headers, encoder, where)
         self.max_attempts = _check_max_attempts(event.max_attempts, where)
         self.available_at, self.delay = _check_schedule(event.delay, event.available_at, where)
-        self.ordering_key = _check_ordering_key(event.ordering_key, where)
+        self.ordering_key = _check_key(
+            event.ordering_key, f"{where}ordering_key", MAX_ORDERING_KEY_LENGTH, "unordered"
+        )
 
     def params(self) -> tuple[Any, ...]:
         """The bind values of `Queries.insert_one`, in placeholder order."""
@@ -87,42 +91,22 @@ class _Row:
         )
 
 
-def _check_ordering_key(key: object, where: str) -> str | None:
-    if key is None:
-        return None
-    if not isinstance(key, str):
-        raise TypeError(f"{where}ordering_key must be a str or None, not {type(key).__name__}")
-    if not key:
-        raise InvalidArgument(f"{where}ordering_key must not be empty (use None for unordered)")
-    check_utf8(key, f"{where}ordering_key")
-    if "\x00" in key or (
-        len(key) > MAX_ORDERING_KEY_LENGTH // 4 and len(key.encode()) > MAX_ORDERING_KEY_LENGTH
-    ):
-        raise InvalidArgument(
-            f"{where}ordering_key must be at most {MAX_ORDERING_KEY_LENGTH} bytes (UTF-8) "
-            "without NUL"
-        )
-    return key
-
-
 def _check_topic(topic: object, where: str) -> str:
     return check_topic_name(topic, f"{where}topic")
 
 
-def _check_dedupe_key(key: object, where: str) -> str | None:
+def _check_key(key: object, name: str, max_bytes: int, no_key: str) -> str | None:
+    """A dedupe or ordering key: ``None``, or 1 to ``max_bytes`` UTF-8 bytes without NUL."""
     if key is None:
         return None
     if not isinstance(key, str):
-        raise TypeError(f"{where}dedupe_key must be a str or None, not {type(key).__name__}")
+        raise TypeError(f"{name} must be a str or None, not {type(key).__name__}")
     if not key:
-        raise InvalidArgument(f"{where}dedupe_key must not be empty (use None for no key)")
-    check_utf8(key, f"{where}dedupe_key")
-    if "\x00" in key or (
-        len(key) > MAX_DEDUPE_KEY_LENGTH // 4 and len(key.encode()) > MAX_DEDUPE_KEY_LENGTH
-    ):
-        raise InvalidArgument(
-            f"{where}dedupe_key must be at most {MAX_DEDUPE_KEY_LENGTH} bytes (UTF-8) without NUL"
-        )
+        raise InvalidArgument(f"{name} must not be empty (use None for {no_key})")
+    check_utf8(key, name)
+    # len() first: a key of few characters cannot exceed the limit in bytes
+    if "\x00" in key or (len(key) > max_bytes // 4 and len(key.encode()) > max_bytes):
+        raise InvalidArgument(f"{name} must be at most {max_bytes} bytes (UTF-8) without NUL")
     return key
 
 

@@ -106,30 +106,48 @@ def test_a_checkout_reads_the_top_level_schema_directory() -> None:
     ]
 
 
-def test_the_installed_wheel_finds_its_migrations(wheel: Path, tmp_path: Path) -> None:
+def _run_installed(wheel: Path, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python *args`` with the wheel's files (unpacked, as pip installs them) first on
+    the path, from a directory outside the checkout; the interpreter fails the test
+    unless aiooutbox was imported from the unpacked wheel."""
     site = tmp_path / "site"
-    with zipfile.ZipFile(wheel) as zf:
-        zf.extractall(site)
-    script = (
-        "import json, aiooutbox\n"
-        "from aiooutbox.migrations import migrations\n"
-        "print(json.dumps({'file': aiooutbox.__file__,"
-        " 'migrations': [[m.version, m.name, len(m.template)] for m in migrations()],"
-        " 'sql': aiooutbox.migration_sql(schema='s', table='t')}))\n"
-    )
+    if not site.exists():
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extractall(site)
     env = {**os.environ, "PYTHONPATH": str(site)}
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
+    env.pop("AIOOUTBOX_DSN", None)
+    here = str(site.resolve())
+    check = (
+        "import aiooutbox, pathlib, runpy, sys\n"
+        f"assert pathlib.Path(aiooutbox.__file__).resolve().is_relative_to({here!r})\n"
+    )
+    if args[0] == "-c":
+        code = check + args[1]
+    else:  # -m MODULE ARGS...: as `python -m` runs it
+        argv, module = list(args[1:]), args[1]
+        code = check + f"sys.argv = {argv!r}\nrunpy.run_module({module!r}, run_name='__main__')"
+    return subprocess.run(
+        [sys.executable, "-c", code],
         capture_output=True,
         text=True,
         cwd=tmp_path,
         env=env,
-        timeout=60,
+        timeout=120,
         check=False,
     )
+
+
+def test_the_installed_wheel_finds_its_migrations(wheel: Path, tmp_path: Path) -> None:
+    script = (
+        "import json, aiooutbox\n"
+        "from aiooutbox.migrations import migrations\n"
+        "print(json.dumps({"
+        " 'migrations': [[m.version, m.name, len(m.template)] for m in migrations()],"
+        " 'sql': aiooutbox.migration_sql(schema='s', table='t')}))\n"
+    )
+    proc = _run_installed(wheel, tmp_path, "-c", script)
     assert proc.returncode == 0, proc.stderr
     found = json.loads(proc.stdout)
-    assert Path(found["file"]).resolve().is_relative_to(site.resolve()), found["file"]
     expected = [
         [int(p.name[:4]), p.name[5:-4], len(p.read_text(encoding="utf-8"))]
         for p in sorted(SCHEMA.glob("*.sql"))
@@ -141,26 +159,7 @@ def test_the_installed_wheel_finds_its_migrations(wheel: Path, tmp_path: Path) -
 def test_the_installed_wheel_migrates_a_real_database(
     wheel: Path, tmp_path: Path, empty_dsn: str
 ) -> None:
-    site = tmp_path / "site"
-    with zipfile.ZipFile(wheel) as zf:
-        zf.extractall(site)
-    env = {**os.environ, "PYTHONPATH": str(site)}
-    env.pop("AIOOUTBOX_DSN", None)
-    script = "import aiooutbox, sys; print(aiooutbox.__file__)"
-    where = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env,
-        timeout=60, check=True,
-    ).stdout.strip()  # fmt: skip
-    assert Path(where).resolve().is_relative_to(site.resolve()), where
-    proc = subprocess.run(
-        [sys.executable, "-m", "aiooutbox", "migrate", "--dsn", empty_dsn],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=120,
-        check=False,
-    )
+    proc = _run_installed(wheel, tmp_path, "-m", "aiooutbox", "migrate", "--dsn", empty_dsn)
     assert proc.returncode == 0, proc.stderr
     versions = [int(p.name[:4]) for p in sorted(SCHEMA.glob("*.sql"))]
     assert f"applied migration(s) {versions}" in proc.stdout, proc.stdout
