@@ -11,6 +11,8 @@ import json
 import re
 import socket
 import time
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -485,9 +487,11 @@ async def test_web_doc_health_snippet(
             return response.status_code, response.text
         return response.status, await response.text()
 
-    serve = serve_asgi if isinstance(app, FastAPI) else serve_aiohttp
     assert isinstance(app, (FastAPI, web.Application))
-    async with serve(app) as client:  # type: ignore[operator]
+    serve: Callable[[Any], AbstractAsyncContextManager[Any]] = (
+        serve_asgi if isinstance(app, FastAPI) else serve_aiohttp
+    )
+    async with serve(app) as client:
 
         async def healthy() -> bool:
             return (await get(client, "/healthz"))[0] == 200

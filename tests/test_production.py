@@ -501,7 +501,8 @@ async def test_recovery_racing_a_settle_at_the_lease_boundary(dsn: str) -> None:
 
             async def recover() -> list[asyncpg.Record]:
                 await asyncio.sleep(rng.uniform(0, 0.004))
-                return await racer_recover.fetch(Q.recover_expired, 100)
+                rows: list[asyncpg.Record] = await racer_recover.fetch(Q.recover_expired, 100)
+                return rows
 
             settled, recovered = await asyncio.gather(settle(), recover())
             status = await setup.fetchval(

@@ -21,7 +21,7 @@ import socket
 import struct
 import threading
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, Self
 from urllib.parse import urlsplit, urlunsplit
 
 __all__ = ["TCPProxy"]
@@ -55,7 +55,7 @@ class TCPProxy:
         return urlunsplit(parts._replace(netloc=f"{userinfo}{at}{self.host}:{self.port}"))
 
     # -- control (any thread) --------------------------------------------------------
-    def start(self) -> TCPProxy:
+    def start(self) -> Self:
         self._thread.start()
         self._call(self._start())
         return self
@@ -77,7 +77,7 @@ class TCPProxy:
         self._thread.join(5)
         self._loop.close()
 
-    def __enter__(self) -> TCPProxy:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
