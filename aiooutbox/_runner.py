@@ -20,6 +20,7 @@ from typing import Any
 import asyncpg
 
 from . import _output, admin
+from ._cliconsumer import check_consumer_options
 from ._cliutil import (
     CommandError,
     UsageError,
@@ -31,11 +32,9 @@ from ._cliutil import (
     resolve_dsn,
 )
 from .consumer import OutboxConsumer
-from .errors import InvalidArgument
 from .handlers import Handler, resolve_handlers
 from .health import ConsumerHealth
 from .observe import Observer
-from .retry import RetryPolicy
 
 __all__ = ["Telemetry", "cmd_run", "load_handlers", "telemetry"]
 
@@ -173,27 +172,7 @@ async def cmd_run(args: argparse.Namespace) -> int:
                 f"--topics {','.join(unknown)}: no handler in {args.handlers} "
                 f"(it handles {', '.join(sorted(handlers))})"
             )
-    if args.batch_size and args.batch_size > args.concurrency:
-        raise UsageError(f"--batch-size {args.batch_size} exceeds --concurrency")
-    if args.lease_timeout < 1:
-        raise UsageError("--lease-timeout must be at least 1s")
-    if args.poll_interval < 0.01:
-        raise UsageError("--poll-interval must be at least 10ms")
-    if args.handler_timeout is not None and args.handler_timeout < 0.001:
-        raise UsageError("--handler-timeout must be at least 1ms (or none)")
-    if args.retention is not None and args.retention < 1:
-        raise UsageError("--retention must be at least 1s (or none, to keep done events)")
-    if args.retry_factor < 1:
-        raise UsageError(f"--retry-factor must be at least 1, got {args.retry_factor:g}")
-    try:
-        args.retry = RetryPolicy(
-            base=args.retry_base,
-            factor=args.retry_factor,
-            max_delay=args.retry_max_delay,
-            jitter=args.retry_jitter,
-        )
-    except InvalidArgument as exc:
-        raise UsageError(str(exc)) from None
+    check_consumer_options(args)
     check_listen_options(args)
     check_metrics_options(args)
     with _Signals() as signals:
