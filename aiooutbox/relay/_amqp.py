@@ -80,7 +80,10 @@ class RabbitMQSink(Sink):
         return f"{where} exchange {self.exchange_name!r}" if self.exchange_name else where
 
     async def _open(self) -> None:
-        self._connection = await self._pika.connect_robust(self.url, timeout=self.connect_timeout)
+        # aio-pika waits 5 s between reconnect attempts by default; events wait meanwhile
+        self._connection = await self._pika.connect_robust(
+            self.url, timeout=self.connect_timeout, reconnect_interval=1
+        )
         channel = await self._connection.channel(publisher_confirms=True, on_return_raises=True)
         if self.exchange_name:
             self._exchange = await channel.get_exchange(self.exchange_name, ensure=True)

@@ -121,6 +121,7 @@ class RelayProcess:
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
+        self._stderr.close()
 
     def stderr(self) -> str:
         self._stderr.seek(0)
@@ -145,6 +146,9 @@ async def kill_midway(pool: asyncpg.Pool, dsn: str, to: str, total: int, *args: 
             assert first.proc.poll() is None, first.stderr()
             assert loop.time() < deadline, first.stderr()
             await asyncio.sleep(0.02)
+    except BaseException:
+        print(first.stderr())
+        raise
     finally:
         first.kill()
     killed_at = (await counts(pool)).get("done", 0)
@@ -187,24 +191,25 @@ async def nats_read(js: Any, stream: str, subject: str) -> list[Any]:
 
 
 async def rabbit_read(url: str, queue: str, expect: int, timeout: float = 30) -> list[Any]:
-    """Messages from ``queue`` until ``expect`` arrived and the queue is empty."""
+    """Messages from ``queue`` until ``expect`` arrived and nothing more comes for 0.5 s."""
     import aio_pika
 
     found: list[Any] = []
     async with await aio_pika.connect(url) as connection:
         channel = await connection.channel()
-        await channel.set_qos(prefetch_count=1000)
+        await channel.set_qos(prefetch_count=2000)
         q = await channel.get_queue(queue, ensure=True)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while loop.time() < deadline:
-            message = await q.get(fail=False, no_ack=True)
-            if message is None:
-                if len(found) >= expect:
-                    break
-                await asyncio.sleep(0.05)
-                continue
-            found.append(message)
+        async with q.iterator(no_ack=True) as messages:
+            while loop.time() < deadline:
+                try:
+                    message = await asyncio.wait_for(messages.__anext__(), 0.5)
+                except TimeoutError:
+                    if len(found) >= expect:
+                        break
+                    continue
+                found.append(message)
     return found
 
 
