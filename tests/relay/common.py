@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import os
 import signal
 import subprocess
@@ -22,8 +21,6 @@ from aiooutbox.relay import Sink
 
 ROOT = Path(__file__).resolve().parents[2]
 TOPICS = ("orders.created", "orders.paid")
-#: whether this library's enqueue takes ordering_key (per-key order, built in parallel)
-HAS_ORDERING = "ordering_key" in inspect.signature(aiooutbox.enqueue).parameters
 
 
 def unique(prefix: str) -> str:
