@@ -20,6 +20,7 @@ from typing import Any
 import asyncpg
 
 from . import _output, admin
+from ._cliconsumer import build_options
 from ._cliutil import (
     CommandError,
     UsageError,
@@ -32,11 +33,9 @@ from ._cliutil import (
 )
 from ._options import ConsumerOptions
 from .consumer import OutboxConsumer
-from .errors import InvalidArgument
 from .handlers import Handler, resolve_handlers
 from .health import ConsumerHealth
 from .observe import Observer
-from .retry import RetryPolicy
 
 __all__ = ["Telemetry", "cmd_run", "load_handlers", "telemetry"]
 
@@ -166,57 +165,6 @@ class _Signals:
 
 
 # the command-line flag of each setting `ConsumerOptions.build` and `RetryPolicy` check
-_FLAGS = {
-    "concurrency": "--concurrency",
-    "batch_size": "--batch-size",
-    "each of topics": "--topics",
-    "poll_interval": "--poll-interval",
-    "lease_timeout": "--lease-timeout",
-    "shutdown_grace": "--shutdown-grace",
-    "handler_timeout": "--handler-timeout",
-    "retention": "--retention",
-    "listen_dsn": "--listen-dsn",
-    "RetryPolicy.base": "--retry-base",
-    "RetryPolicy.factor": "--retry-factor",
-    "RetryPolicy.max_delay": "--retry-max-delay",
-    "RetryPolicy.jitter": "--retry-jitter",
-}
-
-
-def build_options(args: argparse.Namespace) -> ConsumerOptions:
-    """The run command's settings, checked once by `ConsumerOptions.build`; a bad one
-    is a `UsageError` naming its flag."""
-    try:
-        retry = RetryPolicy(
-            base=args.retry_base,
-            factor=args.retry_factor,
-            max_delay=args.retry_max_delay,
-            jitter=args.retry_jitter,
-        )
-        return ConsumerOptions.build(
-            concurrency=args.concurrency,
-            batch_size=args.batch_size,
-            topics=args.topics,
-            poll_interval=args.poll_interval,
-            lease_timeout=args.lease_timeout,
-            shutdown_grace=args.shutdown_grace,
-            retry=retry,
-            handler_timeout=args.handler_timeout,
-            listen=args.listen,
-            listen_dsn=args.listen_dsn,
-            retention=args.retention,
-            schema=args.schema,
-            table=args.table,
-        )
-    except (InvalidArgument, TypeError) as exc:
-        message = str(exc)
-        for name, flag in _FLAGS.items():
-            if message.startswith(name + " "):
-                message = flag + message[len(name) :]
-                break
-        raise UsageError(message) from None
-
-
 async def cmd_run(args: argparse.Namespace) -> int:
     handlers = await load_handlers(args.handlers)
     if args.topics:

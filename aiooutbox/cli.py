@@ -23,15 +23,12 @@ import anyio
 import asyncpg
 
 from . import _logging, _output, admin, embedded
+from ._cliconsumer import add_consumer_options
 from ._cliutil import (
     DURATION,
-    FRACTION,
     JSON,
     JSON_OBJECT,
-    NUMBER,
-    OPTIONAL_DURATION,
     POSITIVE_INT,
-    TOPICS,
     CommandError,
     Formatter,
     Parser,
@@ -45,8 +42,6 @@ from ._cliutil import (
     choices,
     database,
     ensure_embedded,
-    env_default,
-    env_flag,
     open_pool,
     resolve_data_dir,
     resolve_dsn,
@@ -101,90 +96,15 @@ def build_parser(prog: str = "aiooutbox") -> argparse.ArgumentParser:
     )
     run.set_defaults(func=cmd_run)
     run.add_argument("handlers", metavar="MODULE:HANDLERS", help="e.g. myapp.jobs:handlers")
-    group = run.add_argument_group("consumer")
-    group.add_argument(
-        "--concurrency",
-        type=POSITIVE_INT,
-        metavar="N",
-        default=env_default("AIOOUTBOX_CONCURRENCY", POSITIVE_INT, str(_CONSUMER["concurrency"])),
-        help=f"handlers running at once (env AIOOUTBOX_CONCURRENCY; default "
-        f"{_CONSUMER['concurrency']})",
-    )
-    group.add_argument(
-        "--batch-size",
-        type=POSITIVE_INT,
-        metavar="N",
-        default=env_default("AIOOUTBOX_BATCH_SIZE", POSITIVE_INT, None),
-        help="most events one claim takes (env AIOOUTBOX_BATCH_SIZE; default = concurrency)",
-    )
-    group.add_argument(
-        "--topics",
-        type=TOPICS,
-        default=env_default("AIOOUTBOX_TOPICS", TOPICS, None),
-        help="comma-separated topics to consume (env AIOOUTBOX_TOPICS; default: all handled)",
-    )
-    for option, key, what in (
-        ("--poll-interval", "poll_interval", "fallback poll when no notification comes"),
-        ("--lease-timeout", "lease_timeout", "recover a silent worker's events after"),
-        ("--shutdown-grace", "shutdown_grace", "on stop, let running handlers finish for"),
-    ):
-        env = "AIOOUTBOX_" + key.upper()
-        group.add_argument(
-            option,
-            type=DURATION,
-            default=env_default(env, DURATION, f"{_CONSUMER[key]:g}s"),
-            metavar="DURATION",
-            help=f"{what} (env {env}; default {_CONSUMER[key]:g}s)",
-        )
-    group.add_argument(
-        "--handler-timeout",
-        type=OPTIONAL_DURATION,
-        default=env_default("AIOOUTBOX_HANDLER_TIMEOUT", OPTIONAL_DURATION, None),
-        metavar="DURATION",
-        help="cancel a handler running longer, as a failed attempt (env "
-        "AIOOUTBOX_HANDLER_TIMEOUT; default none; a Router's timeout= wins)",
-    )
-    retention = _CONSUMER["retention"].total_seconds()
-    group.add_argument(
-        "--retention",
-        type=OPTIONAL_DURATION,
-        default=env_default("AIOOUTBOX_RETENTION", OPTIONAL_DURATION, f"{retention:g}s"),
-        metavar="DURATION",
-        help=f"purge done events finished longer ago; none keeps them (env "
-        f"AIOOUTBOX_RETENTION; default {_output.duration(retention)})",
-    )
-    group.add_argument(
-        "--migrate",
-        action="store_true",
-        default=env_flag("AIOOUTBOX_MIGRATE"),
-        help="apply schema migrations before starting (env AIOOUTBOX_MIGRATE=1)",
-    )
-    retry = run.add_argument_group(
-        "retry policy (after a failed attempt; a Router's retry= wins)",
-        "the delay ceiling grows from --retry-base by --retry-factor per attempt up to\n"
-        "--retry-max-delay; each delay is drawn from [ceiling * (1 - jitter), ceiling]",
-    )
-    for option, key, kind, what in (
-        ("--retry-base", "base", DURATION, "first ceiling"),
-        ("--retry-factor", "factor", NUMBER, "growth per attempt"),
-        ("--retry-max-delay", "max_delay", DURATION, "largest delay"),
-        ("--retry-jitter", "jitter", FRACTION, "0 = exact delays, 1 = full jitter"),
-    ):
-        env = "AIOOUTBOX_RETRY_" + key.upper()
-        value = getattr(_RETRY, key)
-        shown = _output.duration(value) if kind is DURATION else f"{value:g}"
-        retry.add_argument(
-            option,
-            dest="retry_" + key,
-            type=kind,
-            default=env_default(env, kind, shown),
-            metavar="DURATION" if kind is DURATION else "X",
-            help=f"{what} (env {env}; default {shown})",
-        )
+    add_consumer_options(run, topics_help="default: all handled")
     add_listen_options(run)
     add_metrics_options(run)
     add_database_options(run)
     add_logging_options(run, "info")
+
+    from .relay._runner import add_relay_command  # the relay's extras load only when used
+
+    add_relay_command(commands, prog)
 
     mig = add_command(
         commands,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 AIO = "aiooutbox"
@@ -282,6 +283,31 @@ def markdown(results: dict[str, Any]) -> str:
                 f"| {name} | {_fmt(row['commits_per_s'])} "
                 f"| {_fmt(row.get('ratio_to_asyncpg'), 2)} |"
             )
+
+    relay = results.get("relay")
+    if relay:
+        lines += [
+            "",
+            f"## Relay vs a bare client loop ({relay['jetstream']['events']:,} events, "
+            f"{relay['jetstream']['in_flight']} in flight, alternated rounds)",
+            "",
+            "| broker | bare loop/s | relay/s | relay / bare |",
+            "|---|---:|---:|---:|",
+        ]
+        for name in ("jetstream", "rabbitmq"):
+            row = relay[name]
+            lines.append(
+                f"| {name} | {_fmt(median(row['bare_per_s']))} | "
+                f"{_fmt(median(row['relay_per_s']))} | {_fmt(row['ratio'], 2)} |"
+            )
+        star, lat = relay["all_topics"], relay["latency"]
+        lines += [
+            "",
+            f'All-topics claim (`"*"`) / topic-list claim drain rate: '
+            f"{_fmt(star['ratio'], 2)}. Enqueue → JetStream ack at a steady "
+            f"{_fmt(lat['rate'])} events/s: p50 {_fmt(lat['p50'], 1)} ms, "
+            f"p99 {_fmt(lat['p99'], 1)} ms.",
+        ]
 
     history = results.get("history")
     if history:

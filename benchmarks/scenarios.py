@@ -117,6 +117,11 @@ class Config:
             "observe",
         ]
     )
+    # the relay scenario (benchmarks/relay.py; needs the machine's NATS and RabbitMQ)
+    relay_events: int = 20_000
+    relay_rounds: int = 3
+    relay_latency_rate: float = 2000.0
+    relay_latency_seconds: float = 10.0
 
     @classmethod
     def quick(cls) -> Config:
@@ -132,6 +137,9 @@ class Config:
             producer_seconds=1.5,
             producer_rounds=1,
             driver_seconds=1.0,
+            relay_events=5_000,
+            relay_rounds=2,
+            relay_latency_seconds=3.0,
             history_rows=100_000,
             history_drain=5_000,
             history_rounds=1,
@@ -288,6 +296,7 @@ class Bench:
                 "producers": self.producer_cost,
                 "drivers": self.driver_throughput,
                 "observe": self.cost_of_observing,
+                "relay": self.relay,
             }
             for name in scenarios:
                 await steps[name]()
@@ -779,6 +788,21 @@ class Bench:
                     f"({row['ratio_to_asyncpg']:.2f} x asyncpg)"
                 )
         self.results["drivers"] = out
+
+    # -- 4c. relays -------------------------------------------------------------------
+    async def relay(self) -> None:
+        from . import relay
+
+        config = self.config
+        self.results["relay"] = await relay.run(
+            self.admin_dsn,
+            prefix=self.prefix,
+            events=config.relay_events,
+            rounds=config.relay_rounds,
+            latency_rate=config.relay_latency_rate,
+            latency_seconds=config.relay_latency_seconds,
+            log=self.log,
+        )
 
     # -- 5. cost of history ----------------------------------------------------------
     async def cost_of_history(self) -> None:

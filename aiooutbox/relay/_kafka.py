@@ -1,0 +1,114 @@
+"""`KafkaSink`: produce with ``acks="all"``, keyed by the event's ordering key.
+
+The record key is the event's ``ordering_key`` (else ``default_key``), so all events of
+one aggregate land in one partition, in the order the consumer published them (one at a
+time per key): downstream consumers see per-aggregate order, as with Debezium's outbox
+router. The event's ``message_id`` travels in the ``outbox-message-id`` header; Kafka
+does not dedupe across producer sessions, so a repeat after a crash is stored twice and
+consumers dedupe on that header. Idempotence (on by default) only removes duplicates
+from the producer's own retries within one session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from ..events import Event
+from ._sink import Message, Sink, require
+
+__all__ = ["KafkaSink"]
+
+KeyFunc = Callable[[Event], "str | None"]
+
+
+class KafkaSink(Sink):
+    """Produce each event to the Kafka topic named by the destination and await the ack.
+
+    ``default_key`` keys events without an ``ordering_key``: a string, a function of the
+    event, or ``None`` (unkeyed: spread over partitions). ``enable_idempotence=True``
+    needs a broker that supports idempotent producers; Tansu's memory store does not.
+    ``producer_options`` go to `aiokafka.AIOKafkaProducer`. The client reconnects on its
+    own; publishes wait for it (``reconnect_wait``).
+    """
+
+    name = "kafka"
+
+    def __init__(
+        self,
+        bootstrap_servers: str | list[str] = "127.0.0.1:9092",
+        *,
+        destination: str = "{topic}",
+        default_key: str | KeyFunc | None = None,
+        enable_idempotence: bool = True,
+        connect_timeout: float | timedelta = 10.0,
+        publish_timeout: float | timedelta = 10.0,
+        reconnect_wait: float | timedelta = 60.0,
+        producer_options: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(
+            destination=destination,
+            connect_timeout=connect_timeout,
+            publish_timeout=publish_timeout,
+            reconnect_wait=reconnect_wait,
+        )
+        if not (isinstance(bootstrap_servers, (str, list))):
+            raise TypeError(f"bootstrap_servers must be a str or list, not {bootstrap_servers!r}")
+        if default_key is not None and not (isinstance(default_key, str) or callable(default_key)):
+            raise TypeError(f"default_key must be a str, a function or None, not {default_key!r}")
+        if not isinstance(enable_idempotence, bool):
+            raise TypeError(f"enable_idempotence must be a bool, not {enable_idempotence!r}")
+        self._aiokafka = require("aiokafka", "kafka")
+        self._errors = require("aiokafka.errors", "kafka")
+        self.bootstrap_servers = bootstrap_servers
+        self.default_key = default_key
+        self.enable_idempotence = enable_idempotence
+        self._options = dict(producer_options or {})
+        self._producer: Any = None
+
+    def describe(self) -> str:
+        servers = self.bootstrap_servers
+        return servers if isinstance(servers, str) else ",".join(servers)
+
+    async def _open(self) -> None:
+        options: dict[str, Any] = {
+            "bootstrap_servers": self.bootstrap_servers,
+            "acks": "all",
+            "enable_idempotence": self.enable_idempotence,
+            "request_timeout_ms": int(self.publish_timeout * 1000),
+            "retry_backoff_ms": 200,
+            "linger_ms": 1,  # many keys in flight at once: let them share a request
+        }
+        options.update(self._options)
+        self._producer = self._aiokafka.AIOKafkaProducer(**options)
+        await self._producer.start()
+
+    async def _close(self) -> None:
+        if self._producer is not None:
+            await self._producer.stop()
+
+    def _key(self, message: Message) -> bytes | None:
+        key = message.key
+        if key is None:
+            default = self.default_key
+            key = default(message.event) if callable(default) else default
+        return key.encode() if key is not None else None
+
+    async def _send(self, message: Message) -> None:
+        headers = [(k, v.encode()) for k, v in message.headers.items()]
+        await asyncio.wait_for(
+            self._producer.send_and_wait(
+                message.destination, value=message.body, key=self._key(message), headers=headers
+            ),
+            self.publish_timeout,
+        )
+
+    def _is_outage(self, exc: BaseException) -> bool:
+        errors = self._errors
+        if isinstance(exc, (errors.KafkaTimeoutError, errors.KafkaConnectionError)):
+            return True
+        if isinstance(exc, errors.KafkaError):
+            return bool(exc.retriable)
+        return isinstance(exc, (OSError, TimeoutError))

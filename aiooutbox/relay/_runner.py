@@ -1,0 +1,203 @@
+"""``python -m aiooutbox relay --to URL``: publish the outbox to a broker until signalled."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from .._cliconsumer import add_consumer_options, build_options
+from .._cliutil import (
+    DURATION,
+    CommandError,
+    UsageError,
+    add_command,
+    add_database_options,
+    add_listen_options,
+    add_logging_options,
+    add_metrics_options,
+    apply_migrations,
+    check_listen_options,
+    check_metrics_options,
+    env_default,
+    open_pool,
+    redact,
+    resolve_dsn,
+)
+from .._runner import Telemetry, _settings, _Signals, telemetry
+from ..consumer import OutboxConsumer
+from ..errors import InvalidArgument
+from ..handlers import ALL_TOPICS
+
+__all__ = ["add_relay_command", "cmd_relay"]
+
+logger = logging.getLogger("aiooutbox.cli")
+
+
+def add_relay_command(commands: Any, prog: str) -> None:
+    """Register ``relay`` on the ``python -m aiooutbox`` command parser."""
+    relay = add_command(
+        commands,
+        "relay",
+        "publish the outbox's events to a broker or webhook until SIGTERM or SIGINT",
+        f"""
+        {prog} relay --to nats://127.0.0.1:4222 --dsn postgresql://app@db/app
+        {prog} relay --to amqp://guest:guest@127.0.0.1:5672/ --exchange events
+        {prog} relay --to kafka://127.0.0.1:9092 --destination 'outbox.{{topic}}'
+        {prog} relay --to redis://127.0.0.1:6379/0 --topics orders.created,orders.paid
+        AIOOUTBOX_WEBHOOK_SECRET=whsec_... {prog} relay --to 'https://hooks.example.com/{{topic}}'
+        """,
+        """
+        The URL scheme picks the sink: nats:// (JetStream; the streams must exist),
+        amqp(s):// (publisher confirms; without --exchange, the default exchange routes
+        to the queue named by the destination), kafka://host:port[,host:port],
+        redis(s)://host:port/db (streams) or http(s):// (Standard Webhooks signing with
+        $AIOOUTBOX_WEBHOOK_SECRET). Without --topics it relays every topic of the
+        outbox. A row is done only once the broker confirmed it. An unreachable broker
+        at start exits 1; lost later, publishes wait up to --reconnect-wait for it (no
+        attempt spent), then fail and are retried with the retry policy.
+        Signals and exit status as for run.
+        """,
+    )
+    relay.set_defaults(func=cmd_relay)
+    group = relay.add_argument_group("relay")
+    group.add_argument(
+        "--to",
+        metavar="URL",
+        default=env_default("AIOOUTBOX_RELAY_TO", str, None),
+        help="where to publish (env AIOOUTBOX_RELAY_TO)",
+    )
+    group.add_argument(
+        "--destination",
+        metavar="TEMPLATE",
+        default=env_default("AIOOUTBOX_RELAY_DESTINATION", str, "{topic}"),
+        help="subject, routing key, Kafka topic or stream of each event; {topic} and "
+        "{ordering_key} are replaced (env AIOOUTBOX_RELAY_DESTINATION; default {topic})",
+    )
+    group.add_argument(
+        "--exchange",
+        metavar="NAME",
+        default=env_default("AIOOUTBOX_RELAY_EXCHANGE", str, None),
+        help="amqp:// only: the exchange to publish to, which must exist (env "
+        "AIOOUTBOX_RELAY_EXCHANGE; default: the default exchange)",
+    )
+    group.add_argument(
+        "--reconnect-wait",
+        type=DURATION,
+        metavar="DURATION",
+        default=env_default("AIOOUTBOX_RELAY_RECONNECT_WAIT", DURATION, "60s"),
+        help="while the broker is down, hold each event this long before failing the "
+        "attempt (env AIOOUTBOX_RELAY_RECONNECT_WAIT; default 60s)",
+    )
+    group.add_argument(
+        "--no-idempotence",
+        dest="idempotence",
+        action="store_false",
+        help="kafka:// only: no idempotent producer (for brokers without it, e.g. Tansu)",
+    )
+    add_consumer_options(relay, topics_help="default: every topic in the outbox")
+    add_listen_options(relay)
+    add_metrics_options(relay)
+    add_database_options(relay)
+    add_logging_options(relay, "info")
+
+
+def _sink(args: argparse.Namespace) -> Any:
+    import os
+
+    from ._url import sink_for_url
+
+    if not args.to:
+        raise UsageError("relay needs --to URL (or $AIOOUTBOX_RELAY_TO)")
+    scheme = args.to.partition("://")[0].lower()
+    options: dict[str, Any] = {}
+    if scheme in ("http", "https"):
+        secret = os.environ.get("AIOOUTBOX_WEBHOOK_SECRET")
+        if not secret:
+            raise UsageError("a webhook relay needs $AIOOUTBOX_WEBHOOK_SECRET (whsec_...)")
+        options["secret"] = secret
+    else:
+        options["reconnect_wait"] = args.reconnect_wait
+    if not args.idempotence:
+        if scheme != "kafka":
+            raise UsageError("--no-idempotence applies only to kafka:// URLs")
+        options["enable_idempotence"] = False
+    try:
+        return sink_for_url(
+            args.to, destination=args.destination, exchange=args.exchange, **options
+        )
+    except (InvalidArgument, TypeError) as exc:
+        raise UsageError(f"--to/--destination: {exc}") from None
+    except ImportError as exc:
+        raise CommandError(str(exc).split(" (")[0]) from None
+
+
+async def cmd_relay(args: argparse.Namespace) -> int:
+    sink = _sink(args)
+    args.consumer_options = build_options(args)  # checked once, errors name the flag
+    args.retry = args.consumer_options.retry
+    check_listen_options(args)
+    check_metrics_options(args)
+    with _Signals() as signals:
+        try:
+            return await _serve(args, sink, signals)
+        except asyncio.CancelledError:
+            if not signals.received:
+                raise
+            return 0
+
+
+async def _serve(args: argparse.Namespace, sink: Any, signals: _Signals) -> int:
+    async with telemetry(args) as observed:  # --metrics-port: /metrics and /healthz
+        return await _relay(args, sink, signals, observed)
+
+
+async def _relay(
+    args: argparse.Namespace, sink: Any, signals: _Signals, observed: Telemetry
+) -> int:
+    dsn = await resolve_dsn(args, log=True)
+    async with (
+        open_pool(dsn, pgbouncer=args.pgbouncer) as pool,
+        contextlib.AsyncExitStack() as stack,
+    ):
+        if args.migrate:
+            applied = await apply_migrations(pool, args)
+            logger.info("schema %s", f"migrated to {applied}" if applied else "up to date")
+        await stack.enter_async_context(observed.queue_gauges(pool, args))
+        topics = args.topics or None
+        handlers = dict.fromkeys(topics, sink) if topics else {ALL_TOPICS: sink}
+        consumer = OutboxConsumer.from_options(
+            pool, args.consumer_options, observers=observed.observers
+        )
+        await sink.start()  # BrokerUnavailable: one line, exit 1
+        try:
+            async with consumer:
+                signals.consumer = consumer
+                logger.info(
+                    "relaying %s from %s to %s %s as %r with concurrency %d (%s)",
+                    ", ".join(topics) if topics else "every topic",
+                    redact(dsn),
+                    sink.name,
+                    sink.describe(),
+                    sink.destination,
+                    args.concurrency,
+                    _settings(args),
+                )
+                try:
+                    await consumer.run(handlers)
+                except (Exception, SystemExit, KeyboardInterrupt) as exc:
+                    logger.error("relay failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+                    return 1
+        finally:
+            await sink.close()
+    s = consumer.stats
+    logger.info(
+        "stopped: %d published, %d retried, %d dead, %d released",
+        s.done,
+        s.retried,
+        s.dead,
+        s.released,
+    )
+    return 0

@@ -1,0 +1,288 @@
+"""`Sink`: the handler every relay is, and the one message format all brokers get.
+
+A sink is an async callable taking an `Event`, so it runs under a consumer like any
+handler (leases, retries, dead, per-key order, observers). Its whole job per event is
+"publish, await the broker's confirm, return": the consumer then settles the row
+``done`` only after the broker holds the message, and runs many sinks' calls at once
+(its ``concurrency``) for throughput.
+
+A broker that goes away is the sink's problem, not the event's: while the connection
+is down a call waits for it to come back (up to ``reconnect_wait``) and publishes again
+with the same message id, so a short outage costs no attempt and sends nothing to
+``dead``. Only a failure that is the event's own (no stream or queue takes it, a
+webhook answers 4xx) or an outage longer than ``reconnect_wait`` reaches the consumer's
+retry policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import logging
+import string
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from types import TracebackType
+from typing import Any, ClassVar
+
+from .._limits import check_seconds
+from ..errors import Dead, InvalidArgument, OutboxError
+from ..events import Event
+
+__all__ = ["BrokerUnavailable", "Message", "Sink", "SinkClosed", "render_destination"]
+
+logger = logging.getLogger("aiooutbox.relay")
+
+_FIELDS = frozenset({"topic", "ordering_key"})
+
+#: the broker headers (or properties, or stream fields) every sink adds to the event's own
+TOPIC_HEADER = "outbox-topic"
+EVENT_ID_HEADER = "outbox-event-id"
+MESSAGE_ID_HEADER = "outbox-message-id"
+DEDUPE_KEY_HEADER = "outbox-dedupe-key"
+ORDERING_KEY_HEADER = "outbox-ordering-key"
+
+
+class BrokerUnavailable(OutboxError):
+    """The broker could not be reached when the sink started (nothing was published)."""
+
+
+class SinkClosed(OutboxError):
+    """The sink is not started, or was closed: events are retried by the consumer."""
+
+
+class _State(enum.Enum):
+    NEW = "new"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+def check_template(template: object, what: str = "destination") -> str:
+    """A ``str.format`` template using only ``{topic}`` and ``{ordering_key}``."""
+    if not isinstance(template, str):
+        raise TypeError(f"{what} must be a str template such as '{{topic}}', not {template!r}")
+    try:
+        fields = [f for _, f, spec, conv in string.Formatter().parse(template) if f is not None]
+    except ValueError as exc:
+        raise InvalidArgument(f"{what} {template!r} is not a valid template: {exc}") from None
+    unknown = sorted(set(fields) - _FIELDS)
+    if unknown:
+        raise InvalidArgument(
+            f"{what} {template!r} names {', '.join(unknown)}; only {{topic}} and "
+            "{ordering_key} are available"
+        )
+    if not template.strip():
+        raise InvalidArgument(f"{what} must not be blank")
+    return template
+
+
+def ordering_key(event: Event) -> str | None:
+    """The event's ordering key, on libraries with and without per-key order."""
+    key = getattr(event, "ordering_key", None)
+    return key if isinstance(key, str) else None
+
+
+def render_destination(template: str, event: Event) -> str:
+    """The subject, routing key, topic or stream ``event`` goes to; `Dead` if it cannot."""
+    key = ordering_key(event)
+    if key is None and "ordering_key" in template:
+        raise Dead(f"destination {template!r} needs an ordering_key; the event has none")
+    return template.format(topic=event.topic, ordering_key=key or "")
+
+
+def _header_value(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """What one event becomes on any broker: a destination, JSON bytes and headers."""
+
+    destination: str
+    body: bytes
+    message_id: str
+    headers: dict[str, str]
+    key: str | None
+    event: Event
+
+    @classmethod
+    def of(cls, event: Event, template: str) -> Message:
+        if not event.message_id:
+            raise Dead("the event has no message_id; migrate the outbox schema")
+        body = json.dumps(
+            event.payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+        ).encode()
+        headers = {str(k): _header_value(v) for k, v in (event.headers or {}).items()}
+        headers[TOPIC_HEADER] = event.topic
+        headers[EVENT_ID_HEADER] = str(event.id)
+        headers[MESSAGE_ID_HEADER] = event.message_id
+        if event.dedupe_key is not None:
+            headers[DEDUPE_KEY_HEADER] = event.dedupe_key
+        key = ordering_key(event)
+        if key is not None:
+            headers[ORDERING_KEY_HEADER] = key
+        return cls(render_destination(template, event), body, event.message_id, headers, key, event)
+
+
+class Sink:
+    """Base of every relay sink: lifecycle, the outage wait, the message format.
+
+    ``async with NatsSink(...) as sink: await consumer.run({"*": sink})``, or call
+    `start` and `close` yourself. A sink can be started once; closing it twice is fine.
+    Subclasses implement ``_open``, ``_close``, ``_send`` and ``_is_outage``.
+    """
+
+    name: ClassVar[str] = "sink"
+
+    def __init__(
+        self,
+        *,
+        destination: str = "{topic}",
+        connect_timeout: float | timedelta = 10.0,
+        publish_timeout: float | timedelta = 10.0,
+        reconnect_wait: float | timedelta = 60.0,
+    ) -> None:
+        self.destination = check_template(destination)
+        self.connect_timeout = check_seconds("connect_timeout", connect_timeout, minimum=0.01)
+        self.publish_timeout = check_seconds("publish_timeout", publish_timeout, minimum=0.01)
+        self.reconnect_wait = check_seconds("reconnect_wait", reconnect_wait, minimum=0.0)
+        self._state = _State.NEW
+        self._outage_since: float | None = None
+        #: publishes repeated after a lost connection (each may have reached the broker)
+        self.republished = 0
+
+    # -- lifecycle --------------------------------------------------------------------
+    async def start(self) -> None:
+        """Connect; raise `BrokerUnavailable` (one line saying why) if the broker is not there."""
+        if self._state is not _State.NEW:
+            raise SinkClosed(f"{self.name} sink is {self._state.value}; a sink starts once")
+        try:
+            await asyncio.wait_for(self._open(), self.connect_timeout)
+        except TimeoutError:
+            await self._abort()
+            raise BrokerUnavailable(
+                f"{self.name}: no answer from {self.describe()} within {self.connect_timeout:g}s"
+            ) from None
+        except (OSError, ConnectionError) as exc:
+            await self._abort()
+            raise BrokerUnavailable(f"{self.name} at {self.describe()}: {exc}") from None
+        except Exception as exc:
+            await self._abort()
+            if isinstance(exc, OutboxError):
+                raise
+            raise BrokerUnavailable(
+                f"{self.name} at {self.describe()}: {type(exc).__name__}: {exc}"
+            ) from None
+        self._state = _State.OPEN
+        logger.info("%s sink connected to %s", self.name, self.describe())
+
+    async def close(self) -> None:
+        """Close the broker connection; events still being published fail and are retried."""
+        if self._state is _State.CLOSED:
+            return
+        opened = self._state is _State.OPEN
+        self._state = _State.CLOSED
+        if opened:
+            await self._close()
+
+    async def _abort(self) -> None:
+        try:
+            await self._close()
+        except Exception as exc:  # a half-open client; the start error is what matters
+            logger.debug("closing a %s sink that failed to start: %s", self.name, exc)
+
+    async def __aenter__(self) -> Sink:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await asyncio.shield(self.close())
+
+    @property
+    def started(self) -> bool:
+        return self._state is _State.OPEN
+
+    # -- the handler ------------------------------------------------------------------
+    async def __call__(self, event: Event) -> None:
+        """Publish ``event`` and return once the broker confirmed it."""
+        message = Message.of(event, self.destination)
+        deadline: float | None = None
+        pause = 0.05
+        while True:
+            if self._state is not _State.OPEN:
+                raise SinkClosed(f"{self.name} sink is {self._state.value}; start it first")
+            try:
+                await self._send(message)
+            except Exception as exc:
+                if not self._is_outage(exc):
+                    raise
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + self.reconnect_wait
+                if now >= deadline:
+                    raise
+                self._note_outage(exc, now)
+                await asyncio.sleep(min(pause, deadline - now))
+                pause = min(pause * 2, 1.0)
+                self.republished += 1
+                continue
+            if self._outage_since is not None:
+                logger.info(
+                    "%s sink: publishing again after %.1fs",
+                    self.name,
+                    time.monotonic() - self._outage_since,
+                )
+                self._outage_since = None
+            return
+
+    def _note_outage(self, exc: BaseException, now: float) -> None:
+        if self._outage_since is None:
+            self._outage_since = now
+            logger.warning(
+                "%s sink: %s unavailable (%s: %s); holding events until it is back "
+                "(up to %gs each)",
+                self.name,
+                self.describe(),
+                type(exc).__name__,
+                exc,
+                self.reconnect_wait,
+            )
+
+    # -- for subclasses ----------------------------------------------------------------
+    def describe(self) -> str:
+        """Where the sink publishes, without credentials."""
+        return self.name
+
+    async def _open(self) -> None:
+        raise NotImplementedError
+
+    async def _close(self) -> None:
+        raise NotImplementedError
+
+    async def _send(self, message: Message) -> None:
+        raise NotImplementedError
+
+    def _is_outage(self, exc: BaseException) -> bool:
+        """True when ``exc`` means the broker is out of reach, not that the event failed."""
+        return isinstance(exc, (OSError, asyncio.TimeoutError, ConnectionError))
+
+
+def require(module: str, extra: str) -> Any:
+    """Import an optional client library, or say which extra installs it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(
+            f"this sink needs {module!r}: pip install 'aiooutbox[{extra}]' ({exc})"
+        ) from exc

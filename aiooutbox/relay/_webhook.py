@@ -1,0 +1,166 @@
+"""`WebhookSink`: POST each event as JSON, signed per the Standard Webhooks spec.
+
+Headers: ``webhook-id`` (the event's ``message_id``, the receiver's idempotency key),
+``webhook-timestamp`` (Unix seconds), ``webhook-signature`` (``v1,`` + base64 of
+HMAC-SHA256 over ``"{id}.{timestamp}.{body}"`` with the secret), plus the event's own
+headers (trace context included) and the ``outbox-*`` ones. Outcomes: 2xx done; 408,
+429 and 5xx retried (``Retry-After`` honoured on 429 and 503); any other 4xx ``dead``,
+with the status and the start of the response body as the event's last error; a
+timeout or refused connection retried with the consumer's backoff.
+"""
+
+from __future__ import annotations
+
+import base64
+import email.utils
+import hashlib
+import hmac
+import time
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from ..errors import Dead, InvalidArgument, Retry
+from ._sink import Message, Sink, check_template, require
+
+__all__ = ["WebhookError", "WebhookSink", "sign"]
+
+# headers an event must not set: they describe the request itself
+_RESERVED = frozenset(
+    {
+        "host",
+        "content-length",
+        "content-type",
+        "transfer-encoding",
+        "connection",
+        "webhook-id",
+        "webhook-timestamp",
+        "webhook-signature",
+    }
+)
+_MAX_RETRY_AFTER = 86400.0
+_ERROR_BODY = 500
+
+
+class WebhookError(Exception):
+    """The receiver answered with a status worth retrying (408, 429 or 5xx)."""
+
+
+def _secret_bytes(secret: str | bytes) -> bytes:
+    if isinstance(secret, bytes):
+        if not secret:
+            raise InvalidArgument("the webhook secret must not be empty")
+        return secret
+    if not isinstance(secret, str):
+        raise TypeError(f"secret must be a 'whsec_...' str or bytes, not {type(secret).__name__}")
+    try:
+        key = base64.b64decode(secret.removeprefix("whsec_"), validate=True)
+    except ValueError:
+        raise InvalidArgument("the webhook secret must be 'whsec_' + base64, or bytes") from None
+    if not key:
+        raise InvalidArgument("the webhook secret must not be empty")
+    return key
+
+
+def sign(secret: str | bytes, message_id: str, timestamp: int, body: bytes) -> str:
+    """The ``webhook-signature`` value for one request (Standard Webhooks, v1)."""
+    content = f"{message_id}.{timestamp}.".encode() + body
+    digest = hmac.new(_secret_bytes(secret), content, hashlib.sha256).digest()
+    return "v1," + base64.b64encode(digest).decode()
+
+
+def retry_after(value: str | None, now: float | None = None) -> float | None:
+    """Seconds from a ``Retry-After`` header (delta-seconds or an HTTP date), capped."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        seconds = float(value)
+    else:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        current = datetime.fromtimestamp(now if now is not None else time.time(), UTC)
+        seconds = (when - current).total_seconds()
+    return min(max(seconds, 0.0), _MAX_RETRY_AFTER)
+
+
+class WebhookSink(Sink):
+    """POST each event's payload to ``url`` (a template: ``{topic}`` may appear in it).
+
+    ``secret`` is the endpoint's signing secret (``whsec_`` + base64, or raw bytes);
+    ``client_options`` go to `httpx.AsyncClient`. One pooled client serves every call.
+    Unlike the broker sinks, an unreachable receiver is the event's failure: it is
+    retried with the consumer's backoff and can end ``dead``.
+    """
+
+    name = "webhook"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        secret: str | bytes,
+        connect_timeout: float | timedelta = 10.0,
+        publish_timeout: float | timedelta = 10.0,
+        client_options: dict[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise TypeError(f"url must be an http:// or https:// URL, not {url!r}")
+        super().__init__(
+            destination=check_template(url, "url"),
+            connect_timeout=connect_timeout,
+            publish_timeout=publish_timeout,
+            reconnect_wait=0,
+        )
+        self._key = _secret_bytes(secret)
+        self._httpx = require("httpx", "webhook")
+        self.url = url
+        self._options = dict(client_options or {})
+        self._client: Any = None
+
+    def describe(self) -> str:
+        return self.url.split("?")[0]
+
+    async def _open(self) -> None:
+        timeout = self._httpx.Timeout(self.publish_timeout, connect=self.connect_timeout)
+        limits = self._httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        options: dict[str, Any] = {"timeout": timeout, "limits": limits}
+        options.update(self._options)
+        self._client = self._httpx.AsyncClient(**options)
+
+    async def _close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+    def request_headers(self, message: Message, timestamp: int) -> dict[str, str]:
+        headers = {k: v for k, v in message.headers.items() if k.lower() not in _RESERVED}
+        headers["content-type"] = "application/json"
+        headers["webhook-id"] = message.message_id
+        headers["webhook-timestamp"] = str(timestamp)
+        headers["webhook-signature"] = sign(self._key, message.message_id, timestamp, message.body)
+        return headers
+
+    async def _send(self, message: Message) -> None:
+        url = message.destination
+        timestamp = int(time.time())
+        response = await self._client.post(
+            url, content=message.body, headers=self.request_headers(message, timestamp)
+        )
+        status = response.status_code
+        if 200 <= status < 300:
+            return
+        text = response.text[:_ERROR_BODY]
+        detail = f"HTTP {status} from {url.split('?')[0]}: {text}"
+        if status in (429, 503):
+            delay = retry_after(response.headers.get("retry-after"))
+            if delay is not None:
+                raise Retry(delay, detail)
+        if 400 <= status < 500 and status not in (408, 429):
+            raise Dead(detail)
+        raise WebhookError(detail)
+
+    def _is_outage(self, exc: BaseException) -> bool:
+        return False

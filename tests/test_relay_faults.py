@@ -1,0 +1,261 @@
+"""Relays through crashes and broker outages: every row done, nothing lost, the
+duplicates counted and bounded by the in-flight window (or none, into JetStream)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import asyncpg
+import nats
+import pytest
+import redis.asyncio as aioredis
+
+from aiooutbox.relay import KafkaSink, NatsSink, RabbitMQSink, Sink
+from tests.conftest import TEMPLATE, _drop, _new_database, with_database
+from tests.relay.brokers import (
+    AMQP_URL,
+    NATS_URL,
+    REDIS_URL,
+    PrivateNats,
+    PrivateRabbit,
+    Tansu,
+    tansu,
+)
+from tests.relay.common import (
+    counts,
+    fill,
+    kafka_read,
+    kafka_topic,
+    kill_midway,
+    message_ids,
+    nats_read,
+    nats_stream,
+    rabbit_read,
+    relaying,
+    unique,
+    wait_done,
+)
+
+pytestmark = pytest.mark.slow
+
+TOTAL = 20_000
+#: the most events one relay process holds at once (its --concurrency): what a SIGKILL
+#: can leave published but not yet settled, so what may be published twice
+IN_FLIGHT = 256
+
+
+@pytest.fixture(scope="module")
+def kafka() -> Iterator[Tansu]:
+    with tansu() as broker:
+        yield broker
+
+
+@pytest.fixture
+async def js() -> AsyncIterator[Any]:
+    nc = await nats.connect(NATS_URL)
+    yield nc.jetstream()
+    await nc.close()
+
+
+def duplicates_within_window(ids: list[str], expected: set[str]) -> int:
+    """All ``expected`` ids arrived; return how many arrived more than once (bounded)."""
+    assert set(ids) == expected, f"{len(expected - set(ids))} events lost"
+    extra = len(ids) - len(set(ids))
+    print(f"duplicates after SIGKILL: {extra} of {len(ids)}")
+    assert extra <= IN_FLIGHT, f"{extra} duplicates exceed the in-flight window {IN_FLIGHT}"
+    return extra
+
+
+# -- SIGKILL a relay after a third, start it again ------------------------------------------
+async def test_jetstream_exactly_once_through_sigkill(
+    dsn: str, pool: asyncpg.Pool, js: Any
+) -> None:
+    stream, prefix = unique("RELAYK"), unique("relay.kill.") + "."
+    await nats_stream(js, stream, [prefix + ">"])
+    try:
+        await fill(pool, TOTAL, topics=(prefix + "created", prefix + "paid"))
+        await kill_midway(pool, dsn, NATS_URL, TOTAL)
+        assert (await js.stream_info(stream)).state.messages == TOTAL
+        found = [m.headers["Nats-Msg-Id"] for m in await nats_read(js, stream, prefix + ">")]
+        assert sorted(found) == sorted(await message_ids(pool))
+    finally:
+        await js.delete_stream(stream)
+
+
+async def test_two_outboxes_one_stream_exactly_40k(
+    dsn: str, pool: asyncpg.Pool, pg_server: str, js: Any
+) -> None:
+    """Both outboxes' row ids run 1..20000; the message ids do not collide, so JetStream
+    keeps all 40k (a relay keyed on row ids would lose the second outbox's 20k)."""
+    stream, prefix = unique("RELAY2"), unique("relay.two.") + "."
+    await nats_stream(js, stream, [prefix + ">"])
+    other = await _new_database(pg_server, TEMPLATE)
+    other_dsn = with_database(pg_server, other)
+    try:
+        async with asyncpg.create_pool(other_dsn, min_size=1, max_size=4) as other_pool:
+            topics = (prefix + "created", prefix + "paid")
+            await fill(pool, TOTAL, topics=topics)
+            await fill(other_pool, TOTAL, topics=topics)
+            ids = "SELECT min(id), max(id) FROM outbox_events"
+            assert tuple(await pool.fetchrow(ids)) == tuple(await other_pool.fetchrow(ids))
+            from tests.relay.common import RelayProcess
+
+            steady = RelayProcess(other_dsn, NATS_URL, "--concurrency", "256")
+            try:
+                await kill_midway(pool, dsn, NATS_URL, TOTAL)
+                await wait_done(other_pool, TOTAL, timeout=120)
+            finally:
+                assert await steady.stop() == 0, steady.stderr()
+        assert (await js.stream_info(stream)).state.messages == 2 * TOTAL
+    finally:
+        await js.delete_stream(stream)
+        await _drop(pg_server, other)
+
+
+async def test_rabbitmq_all_ids_through_sigkill(dsn: str, pool: asyncpg.Pool) -> None:
+    import aio_pika
+
+    queue = unique("relay-kill-")
+    async with await aio_pika.connect(AMQP_URL) as connection:
+        channel = await connection.channel()
+        q = await channel.declare_queue(queue, durable=True)
+        try:
+            await fill(pool, TOTAL)
+            await kill_midway(pool, dsn, AMQP_URL, TOTAL, "--destination", queue)
+            found = await rabbit_read(AMQP_URL, queue, TOTAL, timeout=60)
+            duplicates_within_window([m.message_id for m in found], await message_ids(pool))
+        finally:
+            await q.delete(if_unused=False, if_empty=False)
+
+
+async def test_redis_all_ids_through_sigkill(dsn: str, pool: asyncpg.Pool) -> None:
+    stream = unique("relay:kill:")
+    client = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        await fill(pool, TOTAL)
+        await kill_midway(pool, dsn, REDIS_URL, TOTAL, "--destination", stream)
+        entries = await client.xrange(stream)
+        ids = [f[b"message_id"].decode() for _, f in entries]
+        duplicates_within_window(ids, await message_ids(pool))
+    finally:
+        await client.delete(stream)
+        await client.aclose()
+
+
+async def test_kafka_all_ids_through_sigkill(dsn: str, pool: asyncpg.Pool, kafka: Tansu) -> None:
+    topic = unique("relay.kill.")
+    await kafka_topic(kafka.bootstrap, topic)
+    await fill(pool, TOTAL)
+    to = f"kafka://{kafka.bootstrap}"
+    await kill_midway(pool, dsn, to, TOTAL, "--destination", topic, "--no-idempotence")
+    found = await kafka_read(kafka.bootstrap, topic, TOTAL, timeout=60)
+    ids = [dict(m.headers)["outbox-message-id"].decode() for m in found]
+    duplicates_within_window(ids, await message_ids(pool))
+
+
+# -- the broker down for 10 s mid-relay -------------------------------------------------------
+OUTAGE = 10.0
+
+
+async def through_outage(
+    pool: asyncpg.Pool, sink: Sink, stop: Callable[[], Any], start: Callable[[], Any]
+) -> int:
+    """Produce events steadily while the relay runs; take the broker away for 10 s in
+    the middle. Returns how many events were produced. The outage costs no attempt:
+    publishes wait for the connection (``reconnect_wait``) instead of failing."""
+    produced = 0
+    producing = True
+
+    async def produce() -> None:
+        nonlocal produced
+        while producing:
+            await fill(pool, 10, first=produced)
+            produced += 10
+            await asyncio.sleep(0.1)  # 100 events/s: well below what a relay keeps up with
+
+    async with relaying(pool, sink, concurrency=64):
+        producer = asyncio.ensure_future(produce())
+        try:
+            await wait_done(pool, 200)
+            await asyncio.to_thread(stop)
+            down = time.monotonic()
+            await asyncio.sleep(OUTAGE / 2)
+            held = (await counts(pool)).get("processing", 0)
+            await asyncio.sleep(OUTAGE / 2)
+            await asyncio.to_thread(start)
+            print(f"broker down for {time.monotonic() - down:.1f}s")
+            await asyncio.sleep(1)
+        finally:
+            producing = False
+            await producer
+        began = time.monotonic()
+        await wait_done(pool, produced, timeout=120)
+        print(f"caught up {time.monotonic() - began:.1f}s after the broker came back")
+    statuses = await counts(pool)
+    assert statuses == {"done": produced}, statuses
+    attempts = collections.Counter(
+        r[0] for r in await pool.fetch("SELECT attempts FROM outbox_events")
+    )
+    assert attempts == {1: produced}, f"the outage cost attempts: {attempts}"
+    assert held > 0, "no event was in flight during the outage"
+    print(f"events held mid-outage: {held}; publishes repeated: {sink.republished}")
+    return produced
+
+
+async def test_nats_outage_10s(pool: asyncpg.Pool) -> None:
+    broker = PrivateNats()
+    broker.start()
+    try:
+        nc = await nats.connect(broker.url)
+        js = nc.jetstream()
+        await nats_stream(js, "OUTAGE", ["orders.>"])
+        sink = NatsSink(broker.url, reconnect_wait=60)
+        produced = await through_outage(pool, sink, broker.stop, broker.start)
+        await nc.flush()
+        info = await js.stream_info("OUTAGE")
+        assert info.state.messages == produced  # dedupe by Nats-Msg-Id: exactly once
+        await nc.close()
+    finally:
+        broker.destroy()
+
+
+async def test_rabbitmq_outage_10s(pool: asyncpg.Pool) -> None:
+    import aio_pika
+
+    broker = PrivateRabbit()
+    broker.start()
+    try:
+        async with await aio_pika.connect(broker.url) as connection:
+            channel = await connection.channel()
+            await channel.declare_queue("outage", durable=True)
+        sink = RabbitMQSink(broker.url, destination="outage", reconnect_wait=90)
+        produced = await through_outage(pool, sink, broker.stop, broker.start)
+        found = await rabbit_read(broker.url, "outage", produced, timeout=60)
+        ids = [m.message_id for m in found]
+        assert set(ids) == await message_ids(pool)
+        print(f"duplicates after the outage: {len(ids) - len(set(ids))}")
+    finally:
+        broker.destroy()
+
+
+async def test_kafka_outage_10s(pool: asyncpg.Pool) -> None:
+    """Tansu keeps its data in memory, so this outage freezes it (SIGSTOP) rather than
+    restarting it: connections hang, requests time out, the client reconnects."""
+    with tansu() as broker:
+        await kafka_topic(broker.bootstrap, "outage")
+        sink = KafkaSink(
+            broker.bootstrap,
+            destination="outage",
+            enable_idempotence=False,
+            publish_timeout=3,
+            reconnect_wait=60,
+        )
+        produced = await through_outage(pool, sink, broker.pause, broker.resume)
+        found = await kafka_read(broker.bootstrap, "outage", produced, timeout=60)
+        ids = [dict(m.headers)["outbox-message-id"].decode() for m in found]
+        assert set(ids) == await message_ids(pool)
+        print(f"duplicates after the outage: {len(ids) - len(set(ids))}")
