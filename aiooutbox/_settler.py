@@ -82,6 +82,13 @@ class Settler:
         self.abandoned = 0  # outcomes given up at shutdown (their leases will expire)
 
     # -- recording (synchronous, never fails) --------------------------------------
+    def done(self, event_id: int, attempts: int) -> None:
+        """`record` of a done outcome, without building a `Settlement` (the hot path)."""
+        self._pending.done[attempts].append(event_id)
+        self._pending.size += 1
+        if self._pending.size == 1 or self._pending.size >= self._flush_size:
+            self._has_work.set()
+
     def record(self, settlement: Settlement) -> None:
         if settlement.outcome is Outcome.DONE:
             self._pending.done[settlement.attempts].append(settlement.id)
