@@ -39,6 +39,9 @@ class AdminQueries:
     def status_type(self) -> str:
         return self.outbox.status_type
 
+    def _function(self, name: str) -> str:
+        return f'"{self.outbox.schema}"."{self.outbox.table}_{name}"'
+
     # -- operator ------------------------------------------------------------------
     @property
     def stats_by_topic(self) -> str:
@@ -96,14 +99,42 @@ class AdminQueries:
 
     @property
     def dead_retry(self) -> str:
-        # $1 ids or NULL, $2 topic or NULL; attempts reset, back to pending now
+        # $1 ids or NULL, $2 topic or NULL; attempts reset, back to pending now (an
+        # ordered event whose key has a head already waits behind it: migration 0005)
         return (
-            f"UPDATE {self.qualified} SET status = 'pending', attempts = 0,"
-            " available_at = now(), locked_by = NULL, locked_at = NULL, finished_at = NULL,"
-            " updated_at = now()"
-            " WHERE status = 'dead' AND ($1::bigint[] IS NULL OR id = ANY ($1::bigint[]))"
-            " AND ($2::text IS NULL OR topic = $2) RETURNING id, topic"
+            f"SELECT id, topic, status, ordering_key FROM {self._function('requeue_dead')}"
+            "($1::bigint[], $2::text)"
         )
+
+    @property
+    def later_done_of_keys(self) -> str:
+        # $1 requeued dead ids: how many later events of their keys are already done
+        # (a retried event that its key skipped runs late, out of order)
+        return (
+            f"SELECT d.id, count(l.id) FROM {self.qualified} d JOIN {self.qualified} l"
+            " ON l.ordering_key = d.ordering_key AND l.id > d.id AND l.status = 'done'"
+            " WHERE d.id = ANY ($1::bigint[]) GROUP BY d.id"
+        )
+
+    @property
+    def blocked_keys(self) -> str:
+        # $1 limit: ordered keys whose head cannot run now (failing, or dead and
+        # blocking) and that have events waiting behind it, oldest head first
+        return (
+            "SELECT h.ordering_key, h.id, h.topic, h.status::text, h.attempts,"
+            " h.available_at, left(h.last_error, 200) AS last_error,"
+            f" (SELECT count(*) FROM {self.qualified} w"
+            "   WHERE w.ordering_key = h.ordering_key AND w.status = 'waiting') AS waiting"
+            f" FROM {self.qualified} h"
+            " WHERE h.ordering_key IS NOT NULL AND (h.status = 'retry' OR h.blocks_key)"
+            " AND (h.status IN ('pending', 'retry', 'processing', 'waiting') OR h.blocks_key)"
+            " ORDER BY h.id LIMIT $1"
+        )
+
+    @property
+    def promote_keys(self) -> str:
+        # $1 keys: move each on to its next waiting event if it has no head left
+        return f"SELECT * FROM {self._function('promote')}($1::text[])"
 
     @property
     def dead_purge(self) -> str:
@@ -113,7 +144,7 @@ class AdminQueries:
             " AND ($2::text IS NULL OR topic = $2)"
             " AND ($3::float8 IS NULL"
             "  OR coalesce(finished_at, updated_at) < now() - make_interval(secs => $3))"
-            " RETURNING id"
+            " RETURNING id, ordering_key"
         )
 
     @property

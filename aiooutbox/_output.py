@@ -96,6 +96,16 @@ def stats_view(report: OutboxStats, *, hint: str = "") -> str:
             "consumer seen handling the topic (none holds its events, none idle advertises "
             "it): run one with a handler for it"
         )
+    for b in report.blocked_keys:
+        why = (
+            f"dead, blocking its key (retry or purge event {b.head_id} to move on)"
+            if b.status == "dead"
+            else f"failing, attempt {b.attempts}, next try {b.available_at:%H:%M:%S}"
+        )
+        parts.append(
+            f"blocked key {b.ordering_key!r}: head event {b.head_id} ({b.topic}) {why}; "
+            f"{b.waiting} event(s) waiting behind it"
+        )
     if report.mvcc is not None:
         parts += _mvcc_lines(report.mvcc)
     return "\n".join(parts)

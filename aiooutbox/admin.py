@@ -17,6 +17,7 @@ rows, slower on a table that keeps millions. Nothing here runs inside a consumer
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import re
 from collections import Counter
@@ -53,8 +54,11 @@ __all__ = [
     "unconsumed_topics",
 ]
 
-STATUSES = ("pending", "retry", "processing", "done", "dead")
+logger = logging.getLogger("aiooutbox.admin")
+
+STATUSES = ("pending", "retry", "processing", "waiting", "done", "dead")
 PURGEABLE = ("done", "dead")
+_BLOCKED_SHOWN = 20  # blocked ordered keys `stats` lists
 # `stats` names a topic as unconsumed once its oldest claimable event waited this long
 # with no consumer in sight (a poll-only consumer advertises nothing while idle)
 UNCONSUMED_AFTER = 60.0
@@ -157,6 +161,36 @@ class UnconsumedTopic:
 
 
 @dataclass(frozen=True)
+class BlockedKey:
+    """An ordered key whose head cannot run now, with how many events wait behind it.
+
+    ``status`` is ``retry`` (the head keeps failing; ``available_at`` is its next try)
+    or ``dead`` (a handler with ``on_dead="block"``: retry or purge it to move on).
+    """
+
+    ordering_key: str
+    head_id: int
+    topic: str
+    status: str
+    attempts: int
+    available_at: datetime
+    last_error: str | None
+    waiting: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "ordering_key": self.ordering_key,
+            "head_id": self.head_id,
+            "topic": self.topic,
+            "status": self.status,
+            "attempts": self.attempts,
+            "available_at": self.available_at.isoformat(),
+            "last_error": self.last_error,
+            "waiting": self.waiting,
+        }
+
+
+@dataclass(frozen=True)
 class OutboxStats:
     """A snapshot of one outbox table, as ``python -m aiooutbox stats`` shows it."""
 
@@ -166,6 +200,7 @@ class OutboxStats:
     unconsumed: list[UnconsumedTopic] = field(default_factory=list)
     # the xmin horizon's holders and the table's dead tuples (the MVCC watchdog's view)
     mvcc: MvccReport | None = None
+    blocked_keys: list[BlockedKey] = field(default_factory=list)
 
     @property
     def totals(self) -> dict[str, int]:
@@ -199,6 +234,7 @@ class OutboxStats:
                 for u in self.unconsumed
             ],
             "mvcc": None if self.mvcc is None else self.mvcc.as_dict(),
+            "blocked_keys": [b.as_dict() for b in self.blocked_keys],
         }
 
 
@@ -245,6 +281,7 @@ async def stats(
         workers = await conn.fetch(a.in_flight_by_worker)
         unconsumed = await unconsumed_topics(conn, schema=schema, table=table)
         mvcc = await inspect_mvcc(conn, q)
+        blocked = [BlockedKey(*r) for r in await conn.fetch(a.blocked_keys, _BLOCKED_SHOWN)]
     by_topic: dict[str, dict[str, int]] = {}
     for topic, status, count in counts:
         by_topic.setdefault(topic, dict.fromkeys(STATUSES, 0))[status] = count
@@ -254,6 +291,7 @@ async def stats(
         in_flight=[WorkerStats(w or "?", n, age or 0.0) for w, n, age in workers],
         unconsumed=unconsumed,
         mvcc=mvcc,
+        blocked_keys=blocked,
     )
 
 
@@ -354,9 +392,20 @@ async def requeue_dead(
     q = queries(schema, table)
     a = admin_queries(schema, table)
     async with _connection(db) as conn, conn.transaction():
-        rows = [(r[0], r[1]) for r in await conn.fetch(a.dead_retry, checked, topic)]
+        requeued = await conn.fetch(a.dead_retry, checked, topic)
+        rows = [(r["id"], r["topic"]) for r in requeued]
         if rows:
             await conn.execute(q.notify, q.channel, sorted({t for _, t in rows}))
+        ordered = [r["id"] for r in requeued if r["ordering_key"] is not None]
+        if ordered:
+            for event_id, later in await conn.fetch(a.later_done_of_keys, ordered):
+                logger.warning(
+                    "event %d re-runs after %d later event(s) of its ordering key were "
+                    "handled: out of their order",
+                    event_id,
+                    later,
+                    extra={"event_id": event_id},
+                )
     return sorted(rows)
 
 
@@ -402,8 +451,12 @@ async def delete_dead(
     _selection(checked, topic, everything, "purge")
     age = None if older_than is None else _seconds("older_than", older_than)
     a = admin_queries(schema, table)
-    async with _connection(db) as conn:
-        return sorted(r[0] for r in await conn.fetch(a.dead_purge, checked, topic, age))
+    async with _connection(db) as conn, conn.transaction():
+        deleted = await conn.fetch(a.dead_purge, checked, topic, age)
+        keys = sorted({r[1] for r in deleted if r[1] is not None})
+        if keys:  # a purged dead head no longer holds its key back
+            await conn.execute(a.promote_keys, keys)
+        return sorted(r[0] for r in deleted)
 
 
 async def purge(

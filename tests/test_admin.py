@@ -86,7 +86,14 @@ async def test_stats_counts_lag_and_workers(pool: asyncpg.Pool) -> None:
     assert (a.topic, a.counts["pending"], a.counts["processing"]) == ("a", 2, 1)
     assert a.lag is not None and 59 < a.lag < 90
     assert (b.counts["pending"], b.counts["dead"], b.lag) == (1, 2, None)
-    assert report.totals == {"pending": 3, "retry": 0, "processing": 1, "done": 0, "dead": 2}
+    assert report.totals == {
+        "pending": 3,
+        "retry": 0,
+        "processing": 1,
+        "waiting": 0,
+        "done": 0,
+        "dead": 2,
+    }
     assert report.dead == 2 and report.lag == a.lag
     [worker] = report.in_flight
     assert (worker.worker, worker.rows) == ("w1", 1) and 4 < worker.oldest_claim_age < 60

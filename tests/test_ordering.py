@@ -317,3 +317,54 @@ async def test_order_holds_through_a_sigkilled_consumer_process(
 async def _done_at_least(pool: asyncpg.Pool, n: int) -> bool:
     got = await pool.fetchval("SELECT count(*) FROM outbox_events WHERE status = 'done'")
     return bool(got >= n)
+
+
+async def test_stats_reports_blocked_keys_and_dead_retry_resumes_them(
+    runs: asyncpg.Pool,
+) -> None:
+    from aiooutbox import admin
+
+    head = await aiooutbox.enqueue(runs, "t", {"seq": 0}, ordering_key="k", max_attempts=1)
+    behind = await aiooutbox.enqueue_many(
+        runs, [aiooutbox.NewEvent("t", {"seq": n}, ordering_key="k") for n in (1, 2)]
+    )
+    seen: list[int] = []
+
+    async def handle(event: aiooutbox.Event) -> None:
+        if event.id == head and not seen:
+            raise RuntimeError("poison")
+        seen.append(event.id)
+
+    handlers = {"t": aiooutbox.Handler(handle, on_dead="block")}
+    async with running(aiooutbox.OutboxConsumer(runs, poll_interval=0.1), handlers):
+        await wait_until(lambda: _status_is(runs, head, "dead"), timeout=20)
+        report = await admin.stats(runs)
+        assert [(b.ordering_key, b.head_id, b.status, b.waiting) for b in report.blocked_keys] == [
+            ("k", head, "dead", 2)
+        ]
+        assert report.as_dict()["blocked_keys"][0]["head_id"] == head
+        assert report.totals["waiting"] == 2
+        seen.append(-1)  # from now on the head succeeds
+        assert await admin.dead_retry(runs, ids=[head]) == {"t": 1}
+        await wait_until(all_in(runs, "done", 3), timeout=20)
+    assert seen == [-1, head, *behind]
+    assert (await admin.stats(runs)).blocked_keys == []
+
+
+async def test_purging_a_blocking_dead_head_lets_the_key_move_on(runs: asyncpg.Pool) -> None:
+    from aiooutbox import admin
+
+    head = await aiooutbox.enqueue(runs, "t", {"seq": 0}, ordering_key="k")
+    later = await aiooutbox.enqueue(runs, "t", {"seq": 1}, ordering_key="k")
+    await runs.execute(
+        "UPDATE outbox_events SET status = 'dead', blocks_key = true WHERE id = $1", head
+    )
+    assert await admin.dead_purge(runs, ids=[head]) == 1
+    assert await runs.fetchval("SELECT status::text FROM outbox_events WHERE id = $1", later) == (
+        "pending"
+    )
+
+
+async def _status_is(pool: asyncpg.Pool, event_id: int, status: str) -> bool:
+    got = await pool.fetchval("SELECT status::text FROM outbox_events WHERE id = $1", event_id)
+    return bool(got == status)
