@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections import Counter
@@ -501,3 +502,36 @@ async def test_large_payloads_are_decoded_in_a_thread_small_ones_inline(pool: as
     by_size = sorted(threads.items())
     assert by_size[0][1] == loop_thread  # a small payload: decoded where it runs
     assert by_size[-1][1] != loop_thread  # a 3 MB one: in a worker thread
+
+
+# -- issue 18: failure log lines say what happens next -------------------------------------
+
+
+async def test_failure_logs_say_whether_the_event_retries_or_is_dead(
+    pool: asyncpg.Pool, caplog: pytest.LogCaptureFixture
+) -> None:
+    flaky = await aiooutbox.enqueue(pool, "t", {"kind": "flaky"}, max_attempts=2)
+    doomed = await aiooutbox.enqueue(pool, "t", {"kind": "doomed"})
+
+    async def handle(event: aiooutbox.Event) -> None:
+        if event.payload["kind"] == "doomed":
+            raise aiooutbox.Dead("no such customer")
+        raise RuntimeError("boom")
+
+    caplog.set_level(logging.INFO, "aiooutbox")
+    async with running(aiooutbox.OutboxConsumer(pool, retry=FAST_RETRY), {"t": handle}):
+        await wait_until(lambda: status_counts_are(pool, {"dead": 2}), timeout=20)
+    lines = {
+        (r.levelname, r.getMessage()) for r in caplog.records if r.name == "aiooutbox.consumer"
+    }
+    retry = [m for level, m in lines if level == "WARNING" and f"event {flaky} " in m]
+    assert any(
+        re.search(r"attempt 1/2 failed: RuntimeError: boom; retry in \d+\.\ds$", m) for m in retry
+    ), retry
+    assert any(
+        m.endswith("attempt 2/2 failed: RuntimeError: boom; dead after 2/2 attempts") for m in retry
+    ), retry
+    dead = [m for level, m in lines if level == "WARNING" and f"event {doomed} " in m]
+    assert any("Dead: no such customer; dead after 1/5 attempts" in m for m in dead), dead
+    record = next(r for r in caplog.records if getattr(r, "event_id", None) == doomed)
+    assert (record.outcome, record.attempt, record.max_attempts) == ("dead", 1, 5)  # type: ignore[attr-defined]
