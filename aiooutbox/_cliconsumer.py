@@ -27,6 +27,7 @@ __all__ = ["add_consumer_options", "build_options"]
 
 _CONSUMER = {k: p.default for k, p in inspect.signature(OutboxConsumer).parameters.items()}
 _RETRY = RetryPolicy()
+_CLAIM_BYTES = _CONSUMER["max_claim_bytes"]
 
 
 def add_consumer_options(parser: argparse.ArgumentParser, *, topics_help: str) -> None:
@@ -84,6 +85,43 @@ def add_consumer_options(parser: argparse.ArgumentParser, *, topics_help: str) -
         f"AIOOUTBOX_RETENTION; default {_output.duration(retention)})",
     )
     group.add_argument(
+        "--statement-timeout",
+        type=DURATION,
+        default=env_default("AIOOUTBOX_STATEMENT_TIMEOUT", DURATION, "10s"),
+        metavar="DURATION",
+        help="limit on every statement the consumer runs (env AIOOUTBOX_STATEMENT_TIMEOUT; "
+        "default 10s)",
+    )
+    group.add_argument(
+        "--max-claim-bytes",
+        type=POSITIVE_INT,
+        default=env_default("AIOOUTBOX_MAX_CLAIM_BYTES", POSITIVE_INT, str(_CLAIM_BYTES)),
+        metavar="N",
+        help="stop adding rows to a claim past this many stored payload bytes; the first "
+        f"row is always taken (env AIOOUTBOX_MAX_CLAIM_BYTES; default {_CLAIM_BYTES})",
+    )
+    for option, key, what in (
+        ("--listen-probe-interval", "listen_probe_interval", "self-notification probe"),
+        ("--watchdog-interval", "watchdog_interval", "MVCC watchdog check"),
+    ):
+        env = "AIOOUTBOX_" + key.upper()
+        group.add_argument(
+            option,
+            type=OPTIONAL_DURATION,
+            default=env_default(env, OPTIONAL_DURATION, f"{_CONSUMER[key]:g}s"),
+            metavar="DURATION",
+            help=f"interval of the {what}; none turns it off (env {env}; default "
+            f"{_CONSUMER[key]:g}s)",
+        )
+    group.add_argument(
+        "--horizon-warning",
+        type=DURATION,
+        default=env_default("AIOOUTBOX_HORIZON_WARNING", DURATION, "300s"),
+        metavar="DURATION",
+        help="warn about a transaction pinning the xmin horizon longer than this (env "
+        "AIOOUTBOX_HORIZON_WARNING; default 5m)",
+    )
+    group.add_argument(
         "--migrate",
         action="store_true",
         default=env_flag("AIOOUTBOX_MIGRATE"),
@@ -123,6 +161,11 @@ _FLAGS = {
     "handler_timeout": "--handler-timeout",
     "retention": "--retention",
     "listen_dsn": "--listen-dsn",
+    "statement_timeout": "--statement-timeout",
+    "max_claim_bytes": "--max-claim-bytes",
+    "listen_probe_interval": "--listen-probe-interval",
+    "watchdog_interval": "--watchdog-interval",
+    "horizon_warning": "--horizon-warning",
     "RetryPolicy.base": "--retry-base",
     "RetryPolicy.factor": "--retry-factor",
     "RetryPolicy.max_delay": "--retry-max-delay",
@@ -154,6 +197,11 @@ def build_options(args: argparse.Namespace) -> ConsumerOptions:
             retention=args.retention,
             schema=args.schema,
             table=args.table,
+            statement_timeout=args.statement_timeout,
+            max_claim_bytes=args.max_claim_bytes,
+            listen_probe_interval=args.listen_probe_interval,
+            watchdog_interval=args.watchdog_interval,
+            horizon_warning=args.horizon_warning,
         )
     except (InvalidArgument, TypeError) as exc:
         message = str(exc)

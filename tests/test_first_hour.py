@@ -465,3 +465,22 @@ async def test_one_embedded_server_per_project_and_the_readme_as_printed(
     stopped = await _sh("python -m aiooutbox embedded stop", jobs, env)
     assert stopped.rc == 0 and str(pgdata) in stopped.out, stopped
     assert embedded.status(pgdata) is None
+
+
+async def test_run_flags_reach_the_consumer_and_bad_values_name_the_flag(dsn: str) -> None:
+    bad = await cli("run", HANDLERS, "--max-claim-bytes", "0", "--dsn", dsn)
+    assert bad.rc == 2 and "Traceback" not in bad.err, bad.err
+    worse = await cli("run", HANDLERS, "--statement-timeout", "0s", "--dsn", dsn)
+    assert worse.rc == 2 and "--statement-timeout" in worse.err, worse.err
+    from aiooutbox._cliconsumer import build_options
+    from aiooutbox.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["run", HANDLERS, "--max-claim-bytes", "1000", "--statement-timeout", "3s",
+         "--listen-probe-interval", "none", "--watchdog-interval", "2m",
+         "--horizon-warning", "10m"]
+    )  # fmt: skip
+    options = build_options(args)
+    assert (options.max_claim_bytes, options.statement_timeout) == (1000, 3.0)
+    assert options.listen_probe_interval is None and options.watchdog_interval == 120.0
+    assert options.horizon_warning == 600.0
