@@ -18,7 +18,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import asyncpg
 
@@ -129,7 +129,7 @@ async def _rabbit(pool: asyncpg.Pool, n: int, rounds: int, log: Log) -> dict[str
     async def bare_publish(i: int) -> None:
         message = aio_pika.Message(
             json.dumps(_payload(i), separators=(",", ":")).encode(),
-            headers=_headers(),
+            headers=cast(Any, _headers()),
             message_id=str(uuid.uuid4()),
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
             content_type="application/json",

@@ -325,6 +325,7 @@ async def test_stats_reports_blocked_keys_and_dead_retry_resumes_them(
     from aiooutbox import admin
 
     head = await aiooutbox.enqueue(runs, "t", {"seq": 0}, ordering_key="k", max_attempts=1)
+    assert head is not None
     behind = await aiooutbox.enqueue_many(
         runs, [aiooutbox.NewEvent("t", {"seq": n}, ordering_key="k") for n in (1, 2)]
     )
@@ -356,6 +357,7 @@ async def test_purging_a_blocking_dead_head_lets_the_key_move_on(runs: asyncpg.P
 
     head = await aiooutbox.enqueue(runs, "t", {"seq": 0}, ordering_key="k")
     later = await aiooutbox.enqueue(runs, "t", {"seq": 1}, ordering_key="k")
+    assert head is not None
     await runs.execute(
         "UPDATE outbox_events SET status = 'dead', blocks_key = true WHERE id = $1", head
     )

@@ -9,7 +9,7 @@ import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, cast
 
 import asyncpg
 import nats
@@ -200,7 +200,7 @@ async def test_redis_message_format_and_maxlen(pool: asyncpg.Pool) -> None:
         key = stream + ":orders.created"
         async with relaying(pool, sink):
             await wait_done(pool, 1)
-            ((_, fields),) = await client.xrange(key)
+            ((_, fields),) = cast(Any, await client.xrange(key))
             await fill(pool, 3000, first=1)
             await wait_done(pool, 3001)
         assert json.loads(fields[b"payload"]) == PAYLOAD
@@ -284,7 +284,7 @@ async def test_order_per_key_redis(pool: asyncpg.Pool) -> None:
     client = aioredis.Redis.from_url(REDIS_URL)
     try:
         await relay_keyed(pool, RedisSink(REDIS_URL), stream)
-        entries = await client.xrange(stream)
+        entries = cast(Any, await client.xrange(stream))
         assert_in_order([json.loads(f[b"payload"]) for _, f in entries])
         assert {f[b"ordering_key"] for _, f in entries} == {f"k{k}".encode() for k in range(KEYS)}
     finally:
@@ -419,7 +419,7 @@ async def test_webhook_retry_after_sets_the_delay(pool: asyncpg.Pool) -> None:
     ],
 )
 async def test_unreachable_broker_at_start_is_an_error(url: str) -> None:
-    kwargs = {"enable_idempotence": False} if url.startswith("kafka") else {}
+    kwargs: dict[str, Any] = {"enable_idempotence": False} if url.startswith("kafka") else {}
     sink = sink_for_url(url.format(port=free_port()), connect_timeout=5, **kwargs)
     with pytest.raises(BrokerUnavailable):
         await sink.start()

@@ -7,7 +7,7 @@ import asyncio
 import collections
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import asyncpg
 import nats
@@ -138,7 +138,7 @@ async def test_redis_all_ids_through_sigkill(dsn: str, pool: asyncpg.Pool) -> No
     try:
         await fill(pool, TOTAL)
         await kill_midway(pool, dsn, REDIS_URL, TOTAL, "--destination", stream)
-        entries = await client.xrange(stream)
+        entries = cast(Any, await client.xrange(stream))
         ids = [f[b"message_id"].decode() for _, f in entries]
         duplicates_within_window(ids, await message_ids(pool))
     finally:
