@@ -360,11 +360,13 @@ class Dispatcher:
             )
 
     def _hand_out(self, rows: list[ClaimedRow], handoff: Handoff[list[ClaimedRow]]) -> None:
-        self._arrivals.add(time.monotonic(), len(rows))
+        now = time.monotonic()
+        self._arrivals.add(now, len(rows))
         self._stats.claimed += len(rows)
         self._stats.in_flight += len(rows)
+        hold = self._leases.hold
         for row in rows:
-            self._leases.hold(row.id, row.attempts)
+            hold(row.id, row.attempts, now)
         for run in runs_of(rows):
             handoff.put(run)
 

@@ -88,6 +88,7 @@ class Executor:
         self._on_finished = on_finished
         self._on_fatal = on_fatal
         self._observers = observers
+        self._observing = bool(observers)  # checked per event: a plain attribute
 
     async def execute_run(self, run: list[ClaimedRow]) -> None:
         """Run one event, or an ordered key's run of events one after another.
@@ -127,7 +128,10 @@ class Executor:
             if self._is_stopping():
                 self.release(row)
                 return outcome
-            event = await self._event(row)
+            if row.size > _THREAD_DECODE_CHARS:
+                event = await self._event_in_thread(row)
+            else:
+                event = self._event(row, self._decode)
             if event is None:
                 return "retry"
             outcome = await self._run(row, event)
@@ -135,12 +139,22 @@ class Executor:
         finally:
             self._finish(row)
 
-    async def _event(self, row: ClaimedRow) -> Event | None:
+    async def _event_in_thread(self, row: ClaimedRow) -> Event | None:
         try:
-            if row.size > _THREAD_DECODE_CHARS:
-                payload = await anyio.to_thread.run_sync(self._decode, row.payload)
-            else:
-                payload = self._decode(row.payload)
+            payload = await anyio.to_thread.run_sync(self._decode, row.payload)
+        except anyio.get_cancelled_exc_class():
+            self.release(row)
+            raise
+        except Exception as exc:
+            self._fail(row, exc, Outcome.RETRY, None)
+            return None
+        return self._event(row, lambda _: payload)
+
+    def _event(self, row: ClaimedRow, decode: Decoder) -> Event | None:
+        """The handler's view of ``row``, or ``None`` (recorded as a failure) if its
+        payload or headers cannot be decoded."""
+        try:
+            payload = decode(row.payload)
             headers = decode_json(row.headers) if row.headers != "{}" else {}
         except anyio.get_cancelled_exc_class():
             self.release(row)
@@ -168,9 +182,9 @@ class Executor:
     async def _run(self, row: ClaimedRow, event: Event) -> str:
         handler = self._handlers.get(row.topic) or self._handlers[ALL_TOPICS]
         timeout = handler.timeout if handler.timeout is not None else self._handler_timeout
-        observers = self._observers
-        token = observers.handler_started(event) if observers else None
-        started = time.perf_counter() if observers else 0.0
+        observing, observers = self._observing, self._observers
+        token = observers.handler_started(event) if observing else None
+        started = time.perf_counter() if observing else 0.0
         outcome = "done"
         error: BaseException | None = None
         try:
@@ -210,10 +224,10 @@ class Executor:
         else:
             self._settler.done(row.id, row.attempts)
             self._stats.done += 1
-            if observers:
+            if observing:
                 observers.settled(row.topic, "done")
         finally:
-            if observers:
+            if observing:
                 seconds = time.perf_counter() - started
                 shown = "dead" if outcome == "dead_block" else outcome
                 observers.handler_finished(event, token, shown, seconds, error)

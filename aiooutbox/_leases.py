@@ -26,8 +26,8 @@ class Leases:
     def ids(self) -> list[int]:
         return list(self._held)
 
-    def hold(self, event_id: int, attempts: int) -> None:
-        self._held[event_id] = (attempts, time.monotonic())
+    def hold(self, event_id: int, attempts: int, now: float) -> None:
+        self._held[event_id] = (attempts, now)
 
     def finish(self, event_id: int, attempts: int) -> None:
         """Forget a row whose outcome is recorded (unless it was re-claimed since)."""

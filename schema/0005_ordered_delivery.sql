@@ -220,6 +220,23 @@ BEGIN
             LIMIT p_limit - cardinality(heads));
     END IF;
     -- rows the byte cap left out were only locked: the locks end with the statement
+    IF cardinality(runs) = 0 THEN
+        -- heads only (every unordered claim): no per-row array membership tests
+        RETURN QUERY
+        UPDATE "{{schema}}"."{{table}}" AS e SET status = 'processing',
+            attempts = e.attempts + 1, locked_by = p_worker, locked_at = now(),
+            lease_expires_at = now() + make_interval(secs => p_lease), updated_at = now()
+        WHERE e.id = ANY (heads)
+    RETURNING e.id, e.topic, e.payload::text, e.dedupe_key, e.headers::text,
+              e.attempts, e.max_attempts,
+              least(greatest(e.created_at, '0001-01-01 00:00:00+00'), '9999-12-31 23:59:59+00'),
+              least(greatest(e.available_at, '0001-01-01 00:00:00+00'), '9999-12-31 23:59:59+00'),
+              coalesce(e.message_id, md5('aiooutbox:' || (SELECT d.oid FROM pg_catalog.pg_database d
+                  WHERE d.datname = pg_catalog.current_database()) || ':' || e.tableoid
+                  || ':' || e.id)::uuid)::text,
+              e.ordering_key, true;
+        RETURN;
+    END IF;
     RETURN QUERY
     UPDATE "{{schema}}"."{{table}}" AS e SET status = 'processing',
         attempts = e.attempts + 1, locked_by = p_worker, locked_at = now(),

@@ -404,22 +404,28 @@ async def test_a_dropped_claim_function_stops_the_consumer(pool: asyncpg.Pool) -
         await asyncio.wait_for(task, 30)
 
 
-async def test_passing_trouble_is_still_retried(pool: asyncpg.Pool) -> None:
-    """A backend terminated under the consumer is transient: it keeps going."""
+async def test_passing_trouble_is_still_retried(dsn: str) -> None:
+    """Backends terminated under the consumer are transient: it keeps going."""
     seen: list[int] = []
 
     async def handle(event: aiooutbox.Event) -> None:
         seen.append(event.id)
 
-    consumer = aiooutbox.OutboxConsumer(pool, poll_interval=0.2)
-    async with running(consumer, {"t": handle}) as task:
-        await pool.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
-        )
-        await aiooutbox.enqueue(pool, "t", {})
-        await wait_until(truthy(lambda: seen), timeout=30)
-        assert not task.done()
+    admin = await asyncpg.connect(dsn)
+    try:
+        async with asyncpg.create_pool(dsn, min_size=2, max_size=4) as consumer_pool:
+            consumer = aiooutbox.OutboxConsumer(consumer_pool, poll_interval=0.2)
+            async with running(consumer, {"t": handle}) as task:
+                await consumer.wait_started()
+                await admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                    " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                )
+                await aiooutbox.enqueue(admin, "t", {})
+                await wait_until(truthy(lambda: seen), timeout=30)
+                assert not task.done()
+    finally:
+        await admin.close()
 
 
 async def test_wait_started_raises_when_run_fails(pool: asyncpg.Pool) -> None:
