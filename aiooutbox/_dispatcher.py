@@ -155,11 +155,16 @@ class Signals:
     """Events shared by the consumer's parts; one primitive, `anyio.Event`, re-armed."""
 
     def __init__(self) -> None:
-        self.wake = anyio.Event()  # a notification, a recovery, a stop
+        self.wake = anyio.Event()  # a notification, a recovery, a stop, a retry written
         self.slot_freed = anyio.Event()  # a handler finished
         self.stop = anyio.Event()
 
     def set_wake(self) -> None:
+        self.wake.set()
+
+    def retry_written(self, _due_in: float) -> None:
+        """A retry was written: an UPDATE notifies no one, so look again (the idle wait
+        is then cut to when it becomes due)."""
         self.wake.set()
 
     def set_slot_freed(self) -> None:

@@ -61,6 +61,7 @@ class Settler:
         flush_size: int,
         statement_timeout: float,
         on_promoted: Callable[[], None] = lambda: None,
+        on_retry_due: Callable[[float], None] = lambda _: None,
     ) -> None:
         self._pool = pool
         self._q = queries
@@ -75,6 +76,7 @@ class Settler:
         self._deadline: float | None = None  # set by close(): every flush gives up then
         self._writing = _Batch()  # the batch a flush is writing now
         self._on_promoted = on_promoted
+        self._on_retry_due = on_retry_due
         self._promote_later: set[str] = set()  # keys a producer held locked (see 0005)
         self._promoting: set[str] = set()
         self.promoted = 0  # waiting ordered events promoted to their key's head
@@ -243,6 +245,19 @@ class Settler:
                 return
         for (_, _, expected), result in zip(statements, results, strict=True):
             self._absorb(result, expected)
+        self._announce_retries(batch)
+
+    def _announce_retries(self, batch: _Batch) -> None:
+        """Tell the claim loop when the retries just written become due: an UPDATE sends
+        no notification, so an idle consumer would otherwise wait for its poll."""
+        delays = [
+            f.delay
+            for failures in batch.failed.values()
+            for f in failures
+            if f.outcome in (Outcome.RETRY, Outcome.RELEASED)
+        ]
+        if delays:
+            self._on_retry_due(min(delays))
 
     async def _execute(
         self, conn: asyncpg.Connection, statements: list[tuple[str, tuple[object, ...], int]]

@@ -397,6 +397,7 @@ class OutboxConsumer:
             flush_size=max(64, o.concurrency),
             statement_timeout=o.statement_timeout,
             on_promoted=signals.set_wake,  # the key's next event may be ours to claim
+            on_retry_due=signals.retry_written,
         )
         logger.info(
             "consumer %s starting: topics=%s concurrency=%d",

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 import aiooutbox
 import aiooutbox.sync
@@ -160,8 +160,9 @@ def _configure_django(dsn: str) -> None:
                 "NAME": parts.path.lstrip("/"),
                 "USER": parts.username or "postgres",
                 "PASSWORD": parts.password or "",
-                "HOST": parts.hostname or "127.0.0.1",
-                "PORT": str(parts.port or 5432),
+                # a Unix-socket DSN (the embedded server) names its directory in ?host=
+                "HOST": parse_qs(parts.query).get("host", [parts.hostname or "127.0.0.1"])[0],
+                "PORT": parse_qs(parts.query).get("port", [str(parts.port or 5432)])[0],
             }
         },
     )

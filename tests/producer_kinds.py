@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 import aiooutbox
 import aiooutbox.sync
@@ -375,8 +375,9 @@ def configure_django(dsn: str) -> Any:
         "NAME": parts.path.lstrip("/"),
         "USER": parts.username or "postgres",
         "PASSWORD": parts.password or "",
-        "HOST": parts.hostname or "127.0.0.1",
-        "PORT": str(parts.port or 5432),
+        # a Unix-socket DSN (the embedded server) names its directory in ?host=
+        "HOST": parse_qs(parts.query).get("host", [parts.hostname or "127.0.0.1"])[0],
+        "PORT": parse_qs(parts.query).get("port", [str(parts.port or 5432)])[0],
     }
     with _django_lock:
         if not settings.configured:

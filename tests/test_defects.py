@@ -13,6 +13,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
+from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
@@ -372,7 +373,8 @@ async def test_a_revoked_grant_stops_the_consumer_with_the_fix(dsn: str) -> None
             f" GRANT SELECT ON outbox_events_migrations, outbox_events_migrations_compat"
             f' TO "{role}"'
         )
-        user_dsn = dsn.replace("postgres@", f"{role}@", 1)
+        parts = urlsplit(dsn)
+        user_dsn = urlunsplit(parts._replace(netloc=f"{role}@{parts.netloc.rpartition('@')[2]}"))
         async with asyncpg.create_pool(user_dsn, min_size=1, max_size=4) as pool:
             consumer = aiooutbox.OutboxConsumer(pool, poll_interval=0.1)
 

@@ -37,6 +37,7 @@ from aiooutbox._sql import queries
 from aiooutbox.cli import build_parser
 from tests.conftest import with_database
 from tests.faults.deaf_proxy import DeafProxy
+from tests.faults.private_pg import private_postgres
 from tests.faults.procs import HANDLED_DDL, all_finished, wait_until
 from tests.faults.replica_pg import ReplicaPair, replica_pair
 
@@ -316,9 +317,26 @@ async def test_probe_payload_can_never_be_a_topic(dsn: str) -> None:
     assert len(wakes) == 1, "a probe woke an every-topic consumer (only its connect may)"
 
 
+@pytest.fixture
+async def tcp_dsn(dsn: str) -> AsyncIterator[str]:
+    """A migrated database reached over TCP: the proxy cannot front a Unix socket (the
+    embedded server's), so then a private server is started for the test."""
+    if urlsplit(dsn).hostname:
+        yield dsn
+        return
+    with private_postgres() as server:
+        conn = await asyncpg.connect(server.dsn)
+        try:
+            await aiooutbox.migrate(conn)
+        finally:
+            await conn.close()
+        yield server.dsn
+
+
 async def test_a_deaf_listener_reconnects_and_claims_without_waiting_for_the_poll(
-    dsn: str, caplog: pytest.LogCaptureFixture
+    tcp_dsn: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    dsn = tcp_dsn
     handled: dict[int, float] = {}
     poll = 120.0
 

@@ -1,6 +1,6 @@
 """Settings: one PostgreSQL database from ``AIOOUTBOX_DSN`` (or ``DATABASE_URL``)."""
 
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from examples.orders import database_url
 
@@ -20,7 +20,8 @@ DATABASES = {
         "NAME": _dsn.path.lstrip("/") or "postgres",
         "USER": unquote(_dsn.username or "postgres"),
         "PASSWORD": unquote(_dsn.password or ""),
-        "HOST": _dsn.hostname or "127.0.0.1",
-        "PORT": str(_dsn.port or 5432),
+        # a Unix-socket DSN names its directory in ?host= (the embedded server does)
+        "HOST": parse_qs(_dsn.query).get("host", [_dsn.hostname or "127.0.0.1"])[0],
+        "PORT": parse_qs(_dsn.query).get("port", [str(_dsn.port or 5432)])[0],
     }
 }
