@@ -17,7 +17,18 @@ from pathlib import Path
 from . import report
 from .scenarios import Bench, Config
 
-SCENARIOS = ("drain", "history", "steady", "wakeup", "producers", "drivers", "observe", "relay")
+SCENARIOS = (
+    "drain",
+    "history",
+    "steady",
+    "wakeup",
+    "producers",
+    "drivers",
+    "observe",
+    "ordering",
+    "isolation",
+    "relay",
+)
 DEFAULT_OUT = Path("benchmarks/results")
 
 
@@ -42,6 +53,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--only", nargs="+", choices=SCENARIOS, help="run only these scenarios (in this order)"
     )
     parser.add_argument("--no-tune", action="store_true", help="skip the settings search")
+    parser.add_argument(
+        "--backlog",
+        type=int,
+        metavar="N",
+        help="size of the blocked key's and the unconsumed topic's backlogs in the "
+        "ordering and isolation scenarios (default 1000000, --quick 50000)",
+    )
     parser.add_argument(
         "--steady-fractions",
         type=float,
@@ -80,7 +98,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "experimental schema change",
     )
     parser.add_argument("--no-plots", action="store_true")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.backlog is not None and args.backlog < 1:
+        parser.error("--backlog must be at least 1")
+    return args
 
 
 def config_from(args: argparse.Namespace) -> Config:
@@ -91,6 +112,8 @@ def config_from(args: argparse.Namespace) -> Config:
         config.scenarios.append("relay")
     if args.no_tune:
         config.tune = False
+    if args.backlog is not None:
+        config.blocked_backlog = config.isolation_backlog = args.backlog
     config.steady_max = args.steady_max
     if args.steady_fractions is not None:
         config.steady_fractions = args.steady_fractions

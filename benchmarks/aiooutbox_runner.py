@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -24,6 +25,8 @@ NAME = "aiooutbox"
 DEFAULT_SETTINGS: dict[str, Any] = {"concurrency": 500, "pool_size": 6}
 
 _CHUNK = 100_000
+# event ids each consumer process handled, written after its drain (double claims)
+HANDLED_TABLE = "bench_handled"
 
 
 class System:
@@ -90,6 +93,14 @@ class System:
         else:
             columns = "topic, payload"
             values = "'bench', jsonb_build_object('i', g)"
+        await self.insert_series(n, columns, values)
+        if history:
+            await self.keep_loaded()
+
+    async def insert_series(self, n: int, columns: str, values: str) -> None:
+        """``INSERT INTO the table (columns) SELECT values FROM generate_series`` (``g``
+        from 1 to ``n``) in chunks, then VACUUM ANALYZE. Rows with an ordering key go
+        through the insert trigger as any producer's (heads or waiting, in id order)."""
         conn = await self.connect()
         try:
             for start in range(0, n, _CHUNK):
@@ -101,10 +112,25 @@ class System:
                     stop,
                 )
             await conn.execute(f"VACUUM (ANALYZE) {self.q.qualified}")
-            if history:
-                self.history_max_id = int(
-                    await conn.fetchval(f"SELECT max(id) FROM {self.q.qualified}")
-                )
+        finally:
+            await conn.close()
+
+    async def execute(self, sql: str, *args: Any) -> str:
+        conn = await self.connect()
+        try:
+            status: str = await conn.execute(sql, *args)
+        finally:
+            await conn.close()
+        return status
+
+    async def keep_loaded(self) -> None:
+        """Keep the rows now in the table across `reset` (history, a backlog fixture);
+        `counts` and `finished` count only the rows added after."""
+        conn = await self.connect()
+        try:
+            self.history_max_id = int(
+                await conn.fetchval(f"SELECT coalesce(max(id), 0) FROM {self.q.qualified}")
+            )
         finally:
             await conn.close()
 
@@ -201,11 +227,17 @@ async def consume(dsn: str, settings: dict[str, Any], recorder: Any, stop: async
         async def handler(event: aiooutbox.Event) -> None:
             recorder.hit(event.payload["t"])
 
+    elif settings.get("record_ids"):
+
+        async def handler(event: aiooutbox.Event) -> None:
+            recorder.count(event.id)
+
     else:
 
         async def handler(event: aiooutbox.Event) -> None:
             recorder.count()
 
+    topics = list(settings.get("topics") or [TOPIC])
     copies = int(settings.get("consumers", 1))
     observe = settings.get("observe", "off")
     async with (
@@ -232,11 +264,17 @@ async def consume(dsn: str, settings: dict[str, Any], recorder: Any, stop: async
         watcher = asyncio.ensure_future(watch())
         recorder.started()
         try:
-            await asyncio.gather(*(c.run({TOPIC: handler}) for c in consumers))
+            await asyncio.gather(*(c.run(dict.fromkeys(topics, handler)) for c in consumers))
         finally:
             watcher.cancel()
             for consumer in consumers:
                 await consumer.__aexit__(None, None, None)
+        if settings.get("record_ids"):
+            # after the drain, so recording costs the measured handlers nothing
+            async with pool.acquire() as conn:
+                await conn.copy_records_to_table(
+                    HANDLED_TABLE, records=[(i, os.getpid()) for i in recorder.ids]
+                )
         stats = [vars(c.stats) for c in consumers]
         recorder.extra["stats"] = {k: sum(s[k] for s in stats) for k in stats[0]}
 

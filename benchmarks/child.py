@@ -4,7 +4,8 @@ spec: ``system`` (aiooutbox | pgqueuer), ``mode`` (drain | serve), ``dsn``, ``se
 (passed to the system's ``consume``), ``n`` (drain: stop after this many events),
 ``latency`` (payloads carry the producer's wall-clock send time), ``sample_interval``,
 ``patch`` (a Python file run first, to measure an experimental engine change),
-``raw`` (also report every (sent, handler start) pair). The stop command may carry
+``raw`` (also report every (sent, handler start) pair), ``times`` (record the first
+and last handler start even without latencies). The stop command may carry
 ``committing``: [[send time, COMMIT-sent time], ...] per producer transaction, for
 latencies from the COMMIT.
 
@@ -36,6 +37,8 @@ class Recorder:
         self.target = target
         self.latency = latency
         self.raw = False
+        self.times = False  # first/last handler time without latencies (several processes)
+        self.ids = array("q")  # handled event ids, when the spec asks (double claims)
         self.committing: dict[float, float] = {}
         self.handled = 0
         self.t_start = 0.0
@@ -50,8 +53,15 @@ class Recorder:
     def started(self) -> None:
         self.t_start = time.time()
 
-    def count(self) -> None:
+    def count(self, event_id: int | None = None) -> None:
+        if self.times:
+            now = time.time()
+            if not self.handled:
+                self.t_first = now
+            self.t_last = now
         self.handled += 1
+        if event_id is not None:
+            self.ids.append(event_id)
         if self.target is not None and self.handled >= self.target:
             self.t_last = time.time()
             self.reached.set()
@@ -138,6 +148,7 @@ async def main(spec: dict[str, Any]) -> None:
     mode = spec["mode"]
     recorder = Recorder(spec.get("n") if mode == "drain" else None, bool(spec.get("latency")))
     recorder.raw = bool(spec.get("raw"))
+    recorder.times = bool(spec.get("times"))
     stop = asyncio.Event()
     samples: list[list[float]] = []
     sampler = asyncio.ensure_future(_sample(recorder, spec.get("sample_interval", 0.5), samples))
@@ -176,6 +187,7 @@ async def main(spec: dict[str, Any]) -> None:
         "t_start": recorder.t_start,
         "t_end": t_end,
         "t_last": recorder.t_last,
+        "t_first": recorder.t_first,
         "elapsed": elapsed,
         "rate": recorder.handled / elapsed if elapsed > 0 else 0.0,
         "cpu_s": round(sum(me.cpu_times()[:2]), 3),

@@ -111,6 +111,91 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         ):
             r = _num(observe.get(key))
             add(what, f">= {floor}", r, None if r is None else r >= floor)
+    ordering = results.get("ordering")
+    if ordering:
+        blocked = ordering["blocked"]
+        for key, what, floor in (
+            (
+                "keyed_vs_unordered",
+                f"drain {ordering['size']:,} over {ordering['keys']:,} keys / unordered",
+                0.8,
+            ),
+            (
+                "one_key_vs_unordered",
+                f"drain {ordering['one_key_size']:,} on one key / {ordering['size']:,} unordered",
+                0.25,
+            ),
+            (
+                "blocked_vs_none",
+                f"drain {blocked['others']:,} of other keys with {blocked['backlog']:,} behind "
+                "a blocked key / without",
+                0.8,
+            ),
+        ):
+            r = _num(ordering["ratios"].get(key))
+            add(what, f">= {floor}", r, None if r is None else r >= floor)
+    isolation = results.get("isolation")
+    if isolation:
+        b = isolation["backlog"]
+        r = _num(isolation["drain"]["ratio"])
+        add(
+            f"drain {isolation['drain']['size']:,} of A with {b:,} pending of unconsumed B "
+            "/ without",
+            ">= 0.8",
+            r,
+            None if r is None else r >= 0.8,
+        )
+        wake = isolation["wakeup"]["backlog"]["latency_ms"]
+        if wake.get("n"):
+            add(
+                f"idle wake-up p50 with {b:,} pending B (ms)", "<= 3", wake["p50"], wake["p50"] <= 3
+            )
+            add(
+                f"idle wake-up p99 with {b:,} pending B (ms)",
+                "<= 15",
+                wake["p99"],
+                wake["p99"] <= 15,
+            )
+        topics = isolation["topics"]
+        r = _num(topics["ratio"])
+        add(
+            f"consumer of {topics['topics']} topics x {topics['per_topic']} rows, {b:,} pending "
+            "in another topic / without",
+            ">= 0.8",
+            r,
+            None if r is None else r >= 0.8,
+        )
+        procs = isolation["processes"]
+        r = _num(procs["ratio"])
+        add(
+            f"{procs['processes']} consumer processes / 1, draining {procs['size']:,}",
+            ">= 0.9",
+            r,
+            None if r is None else r >= 0.9,
+        )
+        add(
+            f"double claims with {procs['processes']} processes",
+            "0",
+            procs["double_claims"],
+            procs["double_claims"] == 0,
+        )
+        light = isolation.get("light", [])
+        for rate in sorted({run["offered_rate"] for run in light}, reverse=True):
+            mine = {
+                run["system"]: run["latency_ms"] for run in light if run["offered_rate"] == rate
+            }
+            lat, theirs = mine.get(AIO, {}), mine.get(PGQ, {})
+            if not lat.get("n"):
+                continue
+            add(f"COMMIT -> handler p50 at {rate:g}/s (ms)", "<= 3", lat["p50"], lat["p50"] <= 3)
+            add(f"COMMIT -> handler p99 at {rate:g}/s (ms)", "<= 10", lat["p99"], lat["p99"] <= 10)
+            if theirs.get("n"):
+                add(
+                    f"COMMIT -> handler p99 at {rate:g}/s, aiooutbox / PgQueuer",
+                    "<= 1",
+                    lat["p99"] / theirs["p99"] if theirs["p99"] else None,
+                    lat["p99"] <= theirs["p99"],
+                )
     rss = results.get("rss", {}).get(AIO)
     if rss:
         add(
@@ -369,6 +454,7 @@ def markdown(results: dict[str, Any]) -> str:
                 f"| {_fmt(row['warm_mb'], 1)} | {_fmt(row['max_mb'], 1)} "
                 f"| {_fmt(row['end_mb'], 1)} | {_fmt(row['growth_mb'], 1)} |"
             )
+    lines += ordering_isolation_markdown(results)
     if settings:
         lines += ["", "## Settings", ""]
         for name, value in settings.items():
@@ -394,6 +480,77 @@ def markdown(results: dict[str, Any]) -> str:
             f"- packages: `{json.dumps(meta.get('packages', {}))}`",
         ]
     return "\n".join(lines) + "\n"
+
+
+def ordering_isolation_markdown(results: dict[str, Any]) -> list[str]:
+    """The rates behind the ordering and isolation ratios (medians of rounds)."""
+    lines: list[str] = []
+    ordering, isolation = results.get("ordering"), results.get("isolation")
+    if not ordering and not isolation:
+        return lines
+    lines += [
+        "",
+        "## Ordered delivery and topic isolation (events/s, median of rounds)",
+        "",
+        "| case | variant | rate | rounds |",
+        "|---|---|---:|---:|",
+    ]
+
+    def rows(case: str, runs: list[dict[str, Any]], rates: dict[str, Any]) -> None:
+        for variant, rate in rates.items():
+            rounds = sum(1 for r in runs if r.get("variant") == variant)
+            lines.append(f"| {case} | {variant} | {_fmt(rate)} | {rounds} |")
+
+    if ordering:
+        rows(f"{ordering['size']:,} events", ordering["runs"], ordering["rates"])
+        blocked = ordering["blocked"]
+        rows(
+            f"{blocked['others']:,} over {blocked['other_keys']:,} keys, blocked key "
+            f"with {blocked['backlog']:,} waiting (built in {blocked['build_s']} s)",
+            blocked["runs"],
+            blocked["rates"],
+        )
+    if isolation:
+        b = isolation["backlog"]
+        rows(
+            f"{isolation['drain']['size']:,} of A, {b:,} pending B",
+            isolation["drain"]["runs"],
+            isolation["drain"]["rates"],
+        )
+        topics = isolation["topics"]
+        rows(
+            f"{topics['topics']} topics x {topics['per_topic']}, {b:,} pending in another",
+            topics["runs"],
+            topics["rates"],
+        )
+        procs = isolation["processes"]
+        for count, rate in procs["rates"].items():
+            rounds = sum(1 for r in procs["runs"] if str(r["processes"]) == count)
+            lines.append(
+                f"| {procs['size']:,} by {count} process(es) | double claims "
+                f"{procs['double_claims']}, re-claimed {procs['reclaimed']} | {_fmt(rate)} "
+                f"| {rounds} |"
+            )
+        lines += [
+            "",
+            "| latency, COMMIT -> handler start (ms) | p50 | p95 | p99 | max | n |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for label, run in isolation["wakeup"].items():
+            lat = run["latency_ms"]
+            lines.append(
+                f"| idle wake-up, {label} ({b:,} pending B) | {_fmt(lat.get('p50'), 2)} "
+                f"| {_fmt(lat.get('p95'), 2)} | {_fmt(lat.get('p99'), 2)} "
+                f"| {_fmt(lat.get('max'), 2)} | {lat.get('n')} |"
+            )
+        for run in isolation.get("light", []):
+            lat = run["latency_ms"]
+            lines.append(
+                f"| {run['system']} at {run['offered_rate']:g}/s | {_fmt(lat.get('p50'), 2)} "
+                f"| {_fmt(lat.get('p95'), 2)} | {_fmt(lat.get('p99'), 2)} "
+                f"| {_fmt(lat.get('max'), 2)} | {lat.get('n')} |"
+            )
+    return lines
 
 
 def plot(results: dict[str, Any], out: Path) -> list[Path]:

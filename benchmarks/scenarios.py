@@ -27,7 +27,7 @@ import platform
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ import asyncpg
 
 from aiooutbox import OutboxError
 
-from . import aiooutbox_runner, pgqueuer_runner
+from . import aiooutbox_runner, ordering_isolation, pgqueuer_runner
 from .common import BackendCpu, child_process, free_connections, median, ratio, summarize_ms
 
 AIO = aiooutbox_runner.NAME
@@ -102,6 +102,27 @@ class Config:
     history_rounds: int = 3
     observe_size: int = 50_000
     observe_rounds: int = 3
+    # ordering (issue 12): keyed vs unordered, one key, one blocked key
+    ordering_size: int = 50_000
+    ordering_keys: int = 10_000
+    ordering_one_key: int = 20_000
+    ordering_rounds: int = 3
+    blocked_backlog: int = 1_000_000
+    blocked_others: int = 20_000
+    blocked_keys: int = 4_000
+    blocked_rounds: int = 3
+    # isolation (issue 16): a backlog of a topic nobody consumes
+    isolation_backlog: int = 1_000_000
+    isolation_size: int = 20_000
+    isolation_rounds: int = 3
+    isolation_topics: int = 50
+    isolation_per_topic: int = 10
+    isolation_topic_rounds: int = 5
+    multi_processes: int = 4
+    multi_size: int = 50_000
+    multi_rounds: int = 3
+    light_rates: list[float] = field(default_factory=lambda: [50.0, 5.0])
+    light_seconds: float = 20.0
     sample_interval: float = 0.5
     settle: float = 0.5  # pause after a consumer starts, before producers do
     patch: str | None = None  # Python file each aiooutbox consumer child runs first
@@ -115,6 +136,8 @@ class Config:
             "producers",
             "drivers",
             "observe",
+            "ordering",
+            "isolation",
         ]
     )
     # the relay scenario (benchmarks/relay.py; needs the machine's NATS and RabbitMQ)
@@ -145,6 +168,21 @@ class Config:
             history_rounds=1,
             observe_size=20_000,
             observe_rounds=3,
+            ordering_size=10_000,
+            ordering_keys=2_000,
+            ordering_one_key=5_000,
+            ordering_rounds=1,
+            blocked_backlog=50_000,
+            blocked_others=5_000,
+            blocked_keys=1_000,
+            blocked_rounds=1,
+            isolation_backlog=50_000,
+            isolation_size=5_000,
+            isolation_rounds=1,
+            isolation_topic_rounds=2,
+            multi_size=10_000,
+            multi_rounds=1,
+            light_seconds=4.0,
             sample_interval=0.2,
         )
 
@@ -215,6 +253,8 @@ class Bench:
             PGQ: dict(config.pgqueuer_settings),
         }
         self.results: dict[str, Any] = {}
+        # databases a scenario created for itself (fixtures kept across its rounds)
+        self.extra_systems: list[Any] = []
 
     # -- helpers ---------------------------------------------------------------------
     def _spec(
@@ -240,11 +280,15 @@ class Bench:
         *,
         label: str = "",
         traceparent: bool = False,
+        loader: Callable[[], Awaitable[None]] | None = None,
     ) -> dict[str, Any]:
-        """Reset, load ``n`` events, drain them in a child; verify every one finished."""
+        """Reset, load ``n`` events (with ``loader``, if given), drain them in a child;
+        verify every one finished."""
         settings = settings or self.settings[system.name]
         await system.reset()
-        if traceparent:
+        if loader is not None:
+            await loader()
+        elif traceparent:
             await system.load(n, traceparent=True)
         else:
             await system.load(n)
@@ -297,6 +341,8 @@ class Bench:
                 "drivers": self.driver_throughput,
                 "observe": self.cost_of_observing,
                 "relay": self.relay,
+                "ordering": lambda: ordering_isolation.ordering(self),
+                "isolation": lambda: ordering_isolation.isolation(self),
             }
             for name in scenarios:
                 await steps[name]()
@@ -309,7 +355,7 @@ class Bench:
     async def cleanup(self) -> None:
         from .common import drop_database
 
-        for system in [*self.systems.values(), self.history]:
+        for system in [*self.systems.values(), self.history, *self.extra_systems]:
             await drop_database(self.admin_dsn, system.database)
 
     async def meta(self) -> dict[str, Any]:

@@ -45,6 +45,8 @@ def tiny() -> Config:
         observe_rounds=1,
         sample_interval=0.05,
         settle=0.2,
+        # ordering and isolation have a smoke test of their own (below)
+        scenarios=["drain", "history", "steady", "wakeup", "producers", "drivers", "observe"],
     )
 
 
@@ -154,9 +156,100 @@ async def test_benchmark_suite_runs_at_tiny_sizes(pg_server: str, tmp_path: Path
     assert "## Targets" in text and "## Drain throughput" in text
 
 
+def tiny_ordering_isolation() -> Config:
+    return Config(
+        scenarios=["ordering", "isolation"],
+        tune=False,
+        ordering_size=300,
+        ordering_keys=60,
+        ordering_one_key=100,
+        ordering_rounds=1,
+        blocked_backlog=2_000,
+        blocked_others=200,
+        blocked_keys=40,
+        blocked_rounds=1,
+        isolation_backlog=2_000,
+        isolation_size=200,
+        isolation_rounds=1,
+        isolation_topics=5,
+        isolation_per_topic=4,
+        isolation_topic_rounds=1,
+        multi_processes=2,
+        multi_size=600,
+        multi_rounds=1,
+        light_rates=[20.0],
+        light_seconds=0.6,
+        steady_producers=2,
+        wakeup_samples=3,
+        wakeup_gap=(0.1, 0.15),
+        sample_interval=0.05,
+        settle=0.2,
+    )
+
+
+async def test_ordering_and_isolation_scenarios_run_at_tiny_sizes(
+    pg_server: str, tmp_path: Path
+) -> None:
+    bench = Bench(
+        pg_server,
+        tiny_ordering_isolation(),
+        prefix=f"bsmoke_{uuid.uuid4().hex[:8]}_",
+        log=lambda _: None,
+    )
+    try:
+        results = await bench.run()
+    finally:
+        await bench.cleanup()
+    paths = report.write(results, tmp_path, plots=False)
+    loaded = json.loads(paths["json"].read_text())
+
+    # ordering: every variant drained completely; the blocked key's backlog stayed put
+    ordering = loaded["ordering"]
+    assert {r["variant"] for r in ordering["runs"]} == {"unordered", "keyed", "one_key"}
+    for run in ordering["runs"] + ordering["blocked"]["runs"]:
+        assert "error" not in run and run["finished"] == run["size"], run
+    assert all(positive(r) for r in ordering["ratios"].values()), ordering["ratios"]
+    assert ordering["blocked"]["backlog_left"] == 2_000
+    assert {r["variant"] for r in ordering["blocked"]["runs"]} == {"no_blocked", "blocked"}
+
+    # isolation: drains with and without the backlog, wake-ups seen, no double claims
+    isolation = loaded["isolation"]
+    for case in ("drain", "topics"):
+        assert set(isolation[case]["rates"]) == {"no_backlog", "backlog"}
+        assert positive(isolation[case]["ratio"]), isolation[case]
+        for run in isolation[case]["runs"]:
+            assert "error" not in run and run["finished"] == run["size"], run
+    assert isolation["topics"]["runs"][0]["size"] == 20
+    for wake in isolation["wakeup"].values():
+        assert wake["handled"] == 3 and positive(wake["latency_ms"]["p50"])
+    procs = isolation["processes"]
+    assert {r["processes"] for r in procs["runs"]} == {1, 2}
+    for run in procs["runs"]:
+        assert "error" not in run, run
+        assert sum(run["handled"]) == run["distinct_handled"] == run["finished"] == 600
+        assert len(run["handled"]) == run["processes"]
+    assert procs["double_claims"] == 0 and positive(procs["ratio"])
+    assert {(r["system"], r["offered_rate"]) for r in isolation["light"]} == {
+        ("aiooutbox", 20.0),
+        ("pgqueuer", 20.0),
+    }
+    for run in isolation["light"]:
+        assert run["produced"] > 0 and run["handled"] == run["produced"], run
+
+    # the report: every new target row, the section rendered
+    whats = " ".join(t["what"] for t in loaded["targets"])
+    for needle in ("keys / unordered", "one key", "blocked key", "unconsumed B",
+                   "wake-up p99 with", "topics x", "consumer processes", "double claims",
+                   "COMMIT -> handler p99 at 20/s"):  # fmt: skip
+        assert needle in whats, needle
+    assert "## Ordered delivery and topic isolation" in paths["markdown"].read_text()
+
+
 def test_cli_parses_the_documented_command() -> None:
     args = parse(["--dsn", "postgresql://postgres@127.0.0.1:5432/postgres", "--quick"])
     assert args.quick and not args.full and args.out == Path("benchmarks/results")
+    args = parse(["--dsn", "x", "--only", "ordering", "isolation", "--backlog", "1000000"])
+    assert args.only == ["ordering", "isolation"] and args.backlog == 1_000_000
 
 
 def test_latency_grew_tells_a_building_backlog_from_a_steady_one() -> None:
