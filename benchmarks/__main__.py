@@ -1,7 +1,8 @@
 """``python -m benchmarks --dsn postgresql://postgres@127.0.0.1:5432/postgres [--quick]``
 
 Creates its own databases on that server (``<prefix>aiooutbox``, ``<prefix>pgqueuer``,
-``<prefix>aiooutbox_history``), runs the scenarios and writes results.json, results.md
+``<prefix>aiooutbox_history``; ordering and isolation add ``<prefix>aiooutbox_blocked`` and
+``<prefix>aiooutbox_backlog``), runs the scenarios and writes results.json, results.md
 and PNG plots to ``--out``. The DSN needs the right to CREATE DATABASE.
 """
 

@@ -14,7 +14,8 @@ systems; every consumer runs in its own child process.
    one-event transactions on 8 connections, no consumer (benchmarks/drivers.py);
 8. cost of observability: drain with Prometheus metrics on vs off, with tracing (SDK, a
    no-op exporter) vs off, and with opentelemetry-api but no SDK vs OpenTelemetry not
-   importable; events carry a ``traceparent`` header in every variant.
+   importable; events carry a ``traceparent`` header in every variant;
+9. ordered delivery and topic isolation (benchmarks/ordering_isolation.py).
 """
 
 from __future__ import annotations
