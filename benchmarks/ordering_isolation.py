@@ -19,6 +19,7 @@ and kept across the rounds (`System.keep_loaded`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -150,7 +151,7 @@ async def ordering(bench: Bench) -> None:
         BLOCKED_KEY,
     )
     blocked_rates = {v: _rates(blocked_runs, v) for v in ("no_blocked", "blocked")}
-    out = {
+    out: dict[str, Any] = {
         "size": n,
         "keys": keys,
         "one_key_size": one,
@@ -308,31 +309,29 @@ async def _drain_by(bench: Bench, count: int, n: int) -> dict[str, Any]:
     settings = {**bench.settings[AIO], "record_ids": True}
     spec = bench._spec(aio, "serve", settings, times=True)
     q = aio.q
-    async with BackendCpu(bench.admin_dsn, aio.database) as cpu:
-        children = [child_process(spec) for _ in range(count)]
-        entered = [await c.__aenter__() for c in children]
+    async with (
+        BackendCpu(bench.admin_dsn, aio.database) as cpu,
+        contextlib.AsyncExitStack() as stack,
+    ):
+        entered = [await stack.enter_async_context(child_process(spec)) for _ in range(count)]
+        await asyncio.gather(*(c.wait_ready() for c in entered))
+        deadline = time.monotonic() + max(120.0, n / 500)
+        conn = await aio.connect()
         try:
-            await asyncio.gather(*(c.wait_ready() for c in entered))
-            deadline = time.monotonic() + max(120.0, n / 500)
-            conn = await aio.connect()
-            try:
-                while time.monotonic() < deadline:
-                    left = await conn.fetchval(
-                        f"SELECT EXISTS (SELECT 1 FROM {q.qualified}"
-                        "  WHERE status IN ('pending', 'retry'))"
-                        f" OR EXISTS (SELECT 1 FROM {q.qualified} WHERE status = 'processing')"
-                    )
-                    if not left:
-                        break
-                    await asyncio.sleep(0.05)
-            finally:
-                await conn.close()
-            for c in entered:
-                c.send(stop_after=0, timeout=5)
-            results = [await c.result(timeout=60) for c in entered]
+            while time.monotonic() < deadline:
+                left = await conn.fetchval(
+                    f"SELECT EXISTS (SELECT 1 FROM {q.qualified}"
+                    "  WHERE status IN ('pending', 'retry'))"
+                    f" OR EXISTS (SELECT 1 FROM {q.qualified} WHERE status = 'processing')"
+                )
+                if not left:
+                    break
+                await asyncio.sleep(0.05)
         finally:
-            for c in children:
-                await c.__aexit__(None, None, None)
+            await conn.close()
+        for c in entered:
+            c.send(stop_after=0, timeout=5)
+        results = [await c.result(timeout=60) for c in entered]
     conn = await aio.connect()
     try:
         double = await conn.fetchval(

@@ -21,6 +21,7 @@ systems; every consumer runs in its own child process.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import os
@@ -333,7 +334,7 @@ class Bench:
             if self.config.tune and "drain" in scenarios:
                 await self.tune()
             self.results["settings"] = {k: dict(v) for k, v in self.settings.items()}
-            steps = {
+            steps: dict[str, Callable[[], Awaitable[None]]] = {
                 "drain": self.drain,
                 "history": self.cost_of_history,
                 "steady": self.steady_state,
@@ -342,8 +343,8 @@ class Bench:
                 "drivers": self.driver_throughput,
                 "observe": self.cost_of_observing,
                 "relay": self.relay,
-                "ordering": lambda: ordering_isolation.ordering(self),
-                "isolation": lambda: ordering_isolation.isolation(self),
+                "ordering": functools.partial(ordering_isolation.ordering, self),
+                "isolation": functools.partial(ordering_isolation.isolation, self),
             }
             for name in scenarios:
                 await steps[name]()
