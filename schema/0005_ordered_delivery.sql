@@ -45,8 +45,16 @@ CREATE INDEX "{{table}}_key_idx" ON "{{schema}}"."{{table}}" (ordering_key, id)
 
 -- Head or waiting, decided per inserted row. SECURITY DEFINER: producers need no
 -- SELECT on the table; every name is schema-qualified (see 0001's wake-up trigger).
+-- Pinned to the key index like the consumer's functions: beside one key with a large
+-- backlog the statistics say that key fills the table, and a cached plan turned the
+-- check into a sequential scan (measured: 150 ms per ordered insert beside 1M rows).
+-- The SET clauses cost a little per ordered insert; unordered inserts skip the trigger.
 CREATE FUNCTION "{{schema}}"."{{table}}_order"() RETURNS trigger
-LANGUAGE plpgsql SECURITY DEFINER AS $fn$
+LANGUAGE plpgsql SECURITY DEFINER
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET jit = off
+AS $fn$
 BEGIN
     IF NEW.status OPERATOR(pg_catalog.=) ANY ('{pending,retry}'::"{{schema}}"."{{table}}_status"[]) THEN
         PERFORM pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtextextended(

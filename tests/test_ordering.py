@@ -370,3 +370,23 @@ async def test_purging_a_blocking_dead_head_lets_the_key_move_on(runs: asyncpg.P
 async def _status_is(pool: asyncpg.Pool, event_id: int, status: str) -> bool:
     got = await pool.fetchval("SELECT status::text FROM outbox_events WHERE id = $1", event_id)
     return bool(got == status)
+
+
+async def test_the_insert_trigger_reads_the_key_index_beside_a_big_key(pool: asyncpg.Pool) -> None:
+    """Regression: beside one key with a large backlog the statistics say that key fills
+    the table, and the trigger's head check became a sequential scan (150 ms per ordered
+    insert beside 1M rows)."""
+    from aiooutbox._plans import nested_plans
+    from aiooutbox._sql import queries
+
+    for _ in range(4):
+        await aiooutbox.enqueue_many(
+            pool, [aiooutbox.NewEvent("t", {}, ordering_key="big") for _ in range(1000)]
+        )
+    await pool.execute("ANALYZE outbox_events")
+    q = queries()
+    insert = f"INSERT INTO {q.qualified} (topic, payload, ordering_key) VALUES ('t', '{{}}', $1)"
+    async with pool.acquire() as conn:
+        plans = await nested_plans(conn, q, [("insert", insert, ("big",))])
+    assert "outbox_events_key_idx" in plans["insert"], plans
+    assert "Seq Scan" not in plans["insert"], plans
