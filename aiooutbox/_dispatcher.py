@@ -238,7 +238,7 @@ class Dispatcher:
             signals.clear_wake()
             try:
                 if self._reconcile:
-                    await self._take_back_orphans()
+                    await self.take_back_orphans("whose claim reply was lost")
                 rows = await self._claim(want)
             except TRANSIENT_ERRORS as exc:
                 if pool_is_closed(self._pool):
@@ -338,14 +338,15 @@ class Dispatcher:
             self._observers.claimed(len(rows), ended - started)
         return rows
 
-    async def _take_back_orphans(self) -> None:
+    async def take_back_orphans(self, why: str) -> None:
         """Release rows that carry our worker id but that we do not hold.
 
         A claim whose reply was lost (a dropped connection, a timeout after the commit)
         leaves its rows ``processing`` under our id; without this they would wait for
         their lease to expire. Fenced by ``locked_by``: rows another consumer holds are
-        never touched. Runs in the claim loop, between claims, so no claim of ours is in
-        flight; rows we hold or whose outcome waits in the settler are excluded.
+        never touched. Runs between claims (no claim of ours is in flight), and once
+        more when the consumer stops; rows we hold or whose outcome waits in the
+        settler are excluded.
         """
         released = await bounded(
             self._pool,
@@ -359,8 +360,9 @@ class Dispatcher:
         self._reconcile = False
         if released:
             logger.warning(
-                "released %d event(s) claimed by this consumer whose claim reply was lost",
+                "released %d event(s) claimed by this consumer %s",
                 len(released),
+                why,
                 extra={"event_ids": [r[0] for r in released][:1000]},
             )
 

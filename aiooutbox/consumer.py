@@ -18,7 +18,7 @@ import asyncpg
 from anyio.abc import TaskStatus
 
 from ._codec import Decoder
-from ._db import TRANSIENT_ERRORS, PermanentDatabaseError, bounded
+from ._db import TRANSIENT_ERRORS, PermanentDatabaseError
 from ._dispatcher import Dispatcher, Signals, declare
 from ._executor import ConsumerStats, Executor
 from ._handoff import Handoff
@@ -494,42 +494,18 @@ class OutboxConsumer:
                     executor.give_back(run[1:])
                 await settler.close(timeout=max(o.statement_timeout, 5.0))
                 with anyio.CancelScope(shield=True):
-                    await self._release_leftovers(settler)
+                    # no row claimed under our id may stay `processing` once run()
+                    # returns; skipped when the final flush gave up (the database is gone)
+                    if not settler.abandoned:
+                        await _quietly(
+                            dispatcher.take_back_orphans("still held at shutdown"), logging.WARNING
+                        )
                     if o.listen:
                         await _quietly(declare(self._pool, o, topics, busy=True))
                 services.cancel_scope.cancel()
         logger.info(
             "consumer %s stopped: %s", o.worker_id, self.stats, extra={"worker_id": o.worker_id}
         )
-
-    async def _release_leftovers(self, settler: Settler) -> None:
-        """No row claimed under our id may stay ``processing`` once run() returns.
-
-        Catches claims whose reply was lost and rows whose outcome could not be
-        recorded; fenced by ``locked_by``, so rows another consumer re-claimed are
-        never touched. Skipped when the final flush gave up (the database is gone).
-        """
-        if settler.abandoned:
-            return
-        o = self.options
-        try:
-            released = await bounded(
-                self._pool,
-                "fetch",
-                o.queries.release_orphans,
-                o.worker_id,
-                [],
-                timeout=o.statement_timeout,
-            )
-        except TRANSIENT_ERRORS as exc:
-            logger.warning("could not release leftover claims (%s: %s)", type(exc).__name__, exc)
-            return
-        if released:
-            logger.warning(
-                "released %d event(s) still claimed under this consumer's id at shutdown",
-                len(released),
-                extra={"event_ids": [r[0] for r in released][:1000]},
-            )
 
     async def _drain(self) -> None:
         """Give running handlers up to ``shutdown_grace`` to finish."""
@@ -562,8 +538,8 @@ async def _worker(handoff: Handoff[list[ClaimedRow]], executor: Executor) -> Non
         await executor.execute_run(run)
 
 
-async def _quietly(awaitable: object) -> None:
+async def _quietly(awaitable: object, level: int = logging.DEBUG) -> None:
     try:
         await awaitable  # type: ignore[misc]
     except TRANSIENT_ERRORS as exc:
-        logger.debug("ignored at shutdown: %s", exc)
+        logger.log(level, "ignored at shutdown (%s: %s)", type(exc).__name__, exc)
