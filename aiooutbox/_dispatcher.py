@@ -47,6 +47,9 @@ _FULL_CLAIM_SHARE = 0.05
 _WATERMARK_LAG = timedelta(milliseconds=10)
 # the most events of one ordered key a claim takes behind its head
 _MAX_RUN = 256
+# the run rows a claim may take in all, per head asked for (docs/benchmarks.md, "runs
+# behind every head": larger budgets made claims so big that work came out in bursts)
+_RUN_ROWS_PER_HEAD = 2
 
 
 def runs_of(rows: list[ClaimedRow]) -> list[list[ClaimedRow]]:
@@ -259,7 +262,8 @@ class Dispatcher:
                 if idle:
                     idle = False
                     await self._declare(busy=True)
-            full = len(rows) == min(want, self.window.size)
+            # full: the heads (runs ride along beyond them) took every row asked for
+            full = sum(r.is_head for r in rows) >= min(want, self.window.size)
             if full:
                 linger = 0
                 continue
@@ -318,6 +322,9 @@ class Dispatcher:
             self._o.max_claim_bytes,
             # an ordered key's events behind its head, run in order by one worker
             min(want, _MAX_RUN),
+            # every run together: twice as many rows as heads (a run occupies one
+            # worker, so runs add rows to a claim, not concurrency)
+            _RUN_ROWS_PER_HEAD * want,
         )
         sql = self._q.claim
         if not full:

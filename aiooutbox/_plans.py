@@ -43,8 +43,12 @@ async def hot_path_plans(
         conn,
         q,
         [
-            ("claim", q.claim, (_WORKER, 30.0, topics, 100, _BYTES, 100)),
-            ("claim_after", q.claim_after, (_WORKER, 30.0, topics, 100, _BYTES, 100, epoch, 0)),
+            ("claim", q.claim, (_WORKER, 30.0, topics, 100, _BYTES, 100, 100)),
+            (
+                "claim_after",
+                q.claim_after,
+                (_WORKER, 30.0, topics, 100, _BYTES, 100, 100, epoch, 0),
+            ),
             ("settle_done", q.settle_done, ([0], _WORKER, 1)),
             ("settle_failed", q.settle_failed, ([0], [0.0], ["plans"], ["retry"], _WORKER, 1)),
         ],

@@ -222,7 +222,7 @@ class Queries:
         )
 
     # -- consumer ------------------------------------------------------------------
-    # The claim and the settlements are functions (migrations 0002, 0005) whose SET
+    # The claim and the settlements are functions (migrations 0002, 0005, 0006) whose SET
     # clauses pin them to index plans: a generic plan made while the table was small
     # would otherwise scan the whole table on every call once the backlog grows.
     def _function(self, name: str) -> str:
@@ -231,20 +231,20 @@ class Queries:
     @property
     def claim(self) -> str:
         # $1 worker id, $2 lease seconds, $3 topics (NULL: every topic), $4 limit,
-        # $5 byte cap, $6 run length behind an ordered head (0: heads only); the claimed
-        # rows are `ClaimedRow`'s columns (migration 0005)
+        # $5 byte cap, $6 run length behind an ordered head (0: heads only), $7 rows all
+        # runs may take together; the claimed rows are `ClaimedRow`'s columns (0006)
         return (
-            f"SELECT * FROM {self._function('claim_v5')}"
-            "($1, $2::float8, $3::text[], $4::int, $5::bigint, $6::int)"
+            f"SELECT * FROM {self._function('claim_v6')}"
+            "($1, $2::float8, $3::text[], $4::int, $5::bigint, $6::int, $7::int)"
         )
 
     @property
     def claim_after(self) -> str:
-        # the claim, starting after a watermark: $7 available_at, $8 id
+        # the claim, starting after a watermark: $8 available_at, $9 id
         return (
-            f"SELECT * FROM {self._function('claim_v5')}"
-            "($1, $2::float8, $3::text[], $4::int, $5::bigint, $6::int,"
-            " $7::timestamptz, $8::bigint)"
+            f"SELECT * FROM {self._function('claim_v6')}"
+            "($1, $2::float8, $3::text[], $4::int, $5::bigint, $6::int, $7::int,"
+            " $8::timestamptz, $9::bigint)"
         )
 
     @property

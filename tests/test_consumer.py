@@ -211,7 +211,7 @@ async def test_abandoned_claim_is_recovered_after_lease_timeout(pool: asyncpg.Po
     event_id = await aiooutbox.enqueue(pool, "jobs", {})
     q = queries()
     # a worker that claims and then "crashes": it never settles nor heartbeats
-    rows = await pool.fetch(q.claim, "crashed-worker", 1.0, ["jobs"], 10, MAX_CLAIM_BYTES, 0)
+    rows = await pool.fetch(q.claim, "crashed-worker", 1.0, ["jobs"], 10, MAX_CLAIM_BYTES, 0, 0)
     assert [r[0] for r in rows] == [event_id]
     handled: list[int] = []
 
@@ -229,7 +229,7 @@ async def test_abandoned_claim_is_recovered_after_lease_timeout(pool: asyncpg.Po
 
 async def test_recovery_of_an_exhausted_row_makes_it_dead(pool: asyncpg.Pool) -> None:
     event_id = await aiooutbox.enqueue(pool, "jobs", {}, max_attempts=1)
-    await pool.fetch(queries().claim, "crashed-worker", 1.0, ["jobs"], 10, MAX_CLAIM_BYTES, 0)
+    await pool.fetch(queries().claim, "crashed-worker", 1.0, ["jobs"], 10, MAX_CLAIM_BYTES, 0, 0)
     await asyncio.sleep(1.1)
     recovered = await pool.fetch(queries().recover_expired, 100)
     assert [(r[0], r[2]) for r in recovered] == [(event_id, "dead")]
@@ -258,10 +258,10 @@ async def test_long_handler_keeps_its_lease_through_heartbeats(pool: asyncpg.Poo
 async def test_stale_settlement_is_fenced_out(pool: asyncpg.Pool) -> None:
     event_id = await aiooutbox.enqueue(pool, "jobs", {})
     q = queries()
-    await pool.fetch(q.claim, "stale", 0.5, ["jobs"], 1, MAX_CLAIM_BYTES, 0)
+    await pool.fetch(q.claim, "stale", 0.5, ["jobs"], 1, MAX_CLAIM_BYTES, 0, 0)
     await asyncio.sleep(0.6)
     assert len(await pool.fetch(q.recover_expired, 100)) == 1
-    await pool.fetch(q.claim, "fresh", 30.0, ["jobs"], 1, MAX_CLAIM_BYTES, 0)
+    await pool.fetch(q.claim, "fresh", 30.0, ["jobs"], 1, MAX_CLAIM_BYTES, 0, 0)
     # the stale worker (attempt 1) tries to settle: nothing changes
     assert await pool.fetchval(q.settle_done, [event_id], "stale", 1) == 0
     assert (
@@ -635,7 +635,7 @@ async def test_plans_made_on_an_empty_table_survive_a_backlog(empty_dsn: str) ->
         await conn.execute("VACUUM ANALYZE outbox_events")  # statistics: really empty
         q = queries()
         for _ in range(8):  # past the five custom plans: the generic one is cached now
-            assert await conn.fetch(q.claim, "w", 30.0, ["x"], 100, MAX_CLAIM_BYTES, 0) == []
+            assert await conn.fetch(q.claim, "w", 30.0, ["x"], 100, MAX_CLAIM_BYTES, 0, 0) == []
             assert (
                 await conn.fetch(
                     q.claim_after,
@@ -644,6 +644,7 @@ async def test_plans_made_on_an_empty_table_survive_a_backlog(empty_dsn: str) ->
                     ["x"],
                     100,
                     MAX_CLAIM_BYTES,
+                    0,
                     0,
                     datetime.now(UTC),
                     0,

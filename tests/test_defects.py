@@ -90,7 +90,7 @@ async def test_a_refused_value_is_written_apart_with_a_placeholder(pool: asyncpg
     ]
     assert len(ids) == 5
     q = queries()
-    await pool.fetch(q.claim, "w", 30.0, ["t"], 10, 1 << 30, 0)
+    await pool.fetch(q.claim, "w", 30.0, ["t"], 10, 1 << 30, 0, 0)
     settler = Settler(pool, q, "w", flush_interval=0.001, flush_size=100, statement_timeout=5)
     for i in ids[:4]:
         settler.record(Settlement(i, 1, Outcome.RETRY, 60.0, f"fine {i}"))
@@ -320,7 +320,7 @@ async def test_two_quick_stops_during_a_claim_strand_nothing(pool: asyncpg.Pool)
         return bool(
             await pool.fetchval(
                 "SELECT count(*) FROM pg_stat_activity"
-                " WHERE state = 'active' AND query LIKE '%claim_v5%' AND pid <> pg_backend_pid()"
+                " WHERE state = 'active' AND query LIKE '%claim_v6%' AND pid <> pg_backend_pid()"
             )
         )
 
@@ -343,8 +343,8 @@ async def test_a_lost_claim_reply_is_taken_back_at_once(pool: asyncpg.Pool) -> N
     await aiooutbox.enqueue_many(pool, [aiooutbox.NewEvent("t", i) for i in range(3)])
     q = queries()
     # a claim of ours whose reply "never arrived", and one of another consumer
-    await pool.fetch(q.claim, "me", 3600.0, ["t"], 2, 1 << 30, 0)
-    await pool.fetch(q.claim, "someone-else", 3600.0, ["t"], 1, 1 << 30, 0)
+    await pool.fetch(q.claim, "me", 3600.0, ["t"], 2, 1 << 30, 0, 0)
+    await pool.fetch(q.claim, "someone-else", 3600.0, ["t"], 1, 1 << 30, 0, 0)
     seen: list[int] = []
 
     async def handle(event: aiooutbox.Event) -> None:
@@ -400,7 +400,7 @@ async def test_a_dropped_claim_function_stops_the_consumer(pool: asyncpg.Pool) -
 
     task = asyncio.ensure_future(consumer.run({"t": handle}))
     await consumer.wait_started()
-    await pool.execute("DROP FUNCTION outbox_events_claim_v5")
+    await pool.execute("DROP FUNCTION outbox_events_claim_v6")
     await aiooutbox.enqueue(pool, "t", {})
     with pytest.raises(PermanentDatabaseError, match="aiooutbox migrate"):
         await asyncio.wait_for(task, 30)

@@ -506,7 +506,7 @@ async def test_recovery_racing_a_settle_at_the_lease_boundary(dsn: str) -> None:
     try:
         for _ in range(rounds):
             await aiooutbox.enqueue(setup, "t", {})
-            (row,) = await setup.fetch(Q.claim, worker_a, lease, ["t"], 1, 1 << 20, 0)
+            (row,) = await setup.fetch(Q.claim, worker_a, lease, ["t"], 1, 1 << 20, 0, 0)
             await asyncio.sleep(lease + rng.uniform(-0.01, 0.01))
 
             async def settle(row: asyncpg.Record = row) -> int:
@@ -533,7 +533,7 @@ async def test_recovery_racing_a_settle_at_the_lease_boundary(dsn: str) -> None:
                 fenced += 1
                 assert recovered and status == "retry", (settled, recovered, status)
                 # another worker takes it; the first worker's late outcome stays fenced
-                again = await setup.fetch(Q.claim, worker_b, 30.0, ["t"], 1, 1 << 20, 0)
+                again = await setup.fetch(Q.claim, worker_b, 30.0, ["t"], 1, 1 << 20, 0, 0)
                 assert [r["id"] for r in again] == [row["id"]]
                 reclaimed += 1
                 late = await racer_settle.fetchval(

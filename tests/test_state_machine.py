@@ -189,7 +189,7 @@ def make_machine(world: World) -> type[RuleBasedStateMachine]:
         def claim(self, worker: str, limit: int) -> None:
             before = world.snapshot()
             got = world.run(
-                world.conn.fetch(Q.claim, worker, LEASE, ["t"], limit, MAX_CLAIM_BYTES, 0)
+                world.conn.fetch(Q.claim, worker, LEASE, ["t"], limit, MAX_CLAIM_BYTES, 0, 0)
             )
             now = self._now()
             assert len(got) <= limit
@@ -207,7 +207,7 @@ def make_machine(world: World) -> type[RuleBasedStateMachine]:
                 return list(
                     await asyncio.gather(
                         *(
-                            world.conns[i].fetch(Q.claim, w, LEASE, ["t"], 2, MAX_CLAIM_BYTES, 0)
+                            world.conns[i].fetch(Q.claim, w, LEASE, ["t"], 2, MAX_CLAIM_BYTES, 0, 0)
                             for i, w in enumerate(workers)
                         )
                     )
@@ -421,7 +421,7 @@ def make_machine(world: World) -> type[RuleBasedStateMachine]:
                     )
                 )
                 got = world.run(
-                    world.conn.fetch(Q.claim, "finisher", LEASE, ["t"], 1000, MAX_CLAIM_BYTES, 0)
+                    world.conn.fetch(Q.claim, "finisher", LEASE, ["t"], 1000, MAX_CLAIM_BYTES, 0, 0)
                 )
                 for attempts in {r["attempts"] for r in got}:
                     ids = [r["id"] for r in got if r["attempts"] == attempts]
