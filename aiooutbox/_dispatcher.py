@@ -226,6 +226,7 @@ class Dispatcher:
         linger = 0
         idle = False
         advertised_on = -1  # the listener connection (reconnect count) idle was declared on
+        advertised_at = -math.inf  # when the idle advertisement was last written
         full = False
         refill = max(1, o.claim_size // 4)
         while not self._is_stopping():
@@ -259,7 +260,10 @@ class Dispatcher:
                 # start the handlers first: the advert only gates NOTIFY, and a stale
                 # one for a round trip costs at most one extra notification
                 self._hand_out(rows, handoff)
-                if idle:
+                if idle and self._arrivals.dense(time.monotonic()):
+                    # dense traffic: spare producers NOTIFY. While it is sparse the
+                    # advertisement stays, saving two round trips per wake-up, and an
+                    # event that commits meanwhile wakes us instead of waiting a linger.
                     idle = False
                     await self._declare(busy=True)
             # full: the heads (runs ride along beyond them) took every row asked for
@@ -287,10 +291,16 @@ class Dispatcher:
                 idle = await self._declare(busy=False)
                 if idle:
                     advertised_on = listener.reconnects if listener is not None else -1
+                    advertised_at = time.monotonic()
                     continue
+            elif idle and time.monotonic() - advertised_at > o.poll_interval:
+                # kept across sparse wake-ups: refresh it well before it expires
+                idle = await self._declare(busy=False)
+                advertised_at = time.monotonic()
             await _wait_for(signals.wake.wait(), await self._idle_timeout())
             if idle and not signals.wake.is_set():
                 idle = await self._declare(busy=False)  # refresh before it expires
+                advertised_at = time.monotonic()
 
     def _claim_failed(self, exc: BaseException, want: int, backoff: float) -> None:
         if isinstance(exc, (TimeoutError, asyncpg.QueryCanceledError)):

@@ -315,6 +315,34 @@ async def test_idle_consumer_wakes_on_notify_long_before_its_poll(pool: asyncpg.
     assert await status_counts(pool) == {"done": 6}
 
 
+async def test_sparse_wake_ups_keep_and_refresh_the_idle_advertisement(pool: asyncpg.Pool) -> None:
+    """Below the dense rate a consumer stays advertised while it handles what woke it
+    (no withdraw and re-advertise per event), and refreshes the advertisement before it
+    expires even though notifications keep cutting its idle waits short."""
+    started: dict[int, float] = {}
+
+    async def handle(event: aiooutbox.Event) -> None:
+        started[event.id] = time.monotonic()
+
+    advert = "SELECT expires_at FROM outbox_events_idle WHERE worker_id = $1"
+    consumer = aiooutbox.OutboxConsumer(pool, poll_interval=0.5)
+    async with running(consumer, {"ping": handle}):
+        await wait_until(lambda: _is_idle(pool, consumer))
+        first = await pool.fetchval(advert, consumer.worker_id)
+        missing = 0
+        for _ in range(25):  # 10 events/s for 2.5 s: sparse, each wait cut short
+            event_id = await aiooutbox.enqueue(pool, "ping", {})
+            assert event_id is not None
+            await wait_until(partial(_has, started, event_id), timeout=10, interval=0.001)
+            if await pool.fetchval(advert, consumer.worker_id) is None:
+                missing += 1
+            await asyncio.sleep(0.1)
+        last = await pool.fetchval(advert, consumer.worker_id)
+    assert missing == 0, f"advertisement withdrawn {missing} time(s) between sparse events"
+    assert last is not None and (last - first).total_seconds() >= 1.0, (first, last)
+    assert await status_counts(pool) == {"done": 25}
+
+
 async def _has(mapping: dict[int, float], key: int) -> bool:
     return key in mapping
 
