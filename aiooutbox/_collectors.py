@@ -21,10 +21,19 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from ._watchdog import MvccReport
     from .consumer import OutboxConsumer
     from .metrics import OutboxMetrics
 
-__all__ = ["ConsumerGauges", "EventCollector", "PlainHistogram", "QueueCollector"]
+__all__ = ["ConsumerGauges", "EventCollector", "MvccCollector", "PlainHistogram", "QueueCollector"]
+
+# the watchdog's holder kinds as label values; a fixed set, so the label stays bounded
+_HOLDER_KINDS = {
+    "backend": "backend",
+    "prepared transaction": "prepared_transaction",
+    "replication slot": "replication_slot",
+}
+_TIMED_KINDS = ("backend", "prepared_transaction")  # a slot has no start time
 
 
 class PlainHistogram:
@@ -124,6 +133,89 @@ class ConsumerGauges(Collector):
         if listening:
             family.add_metric([], 1.0 if all(c.listening for c in listening) else 0.0)
         yield family
+
+
+class MvccCollector(Collector):
+    """The MVCC watchdog's last readings, taken from the running consumers at scrape time.
+
+    No query of its own: each consumer's watchdog reads the catalogs every
+    ``watchdog_interval`` (`_watchdog.Watchdog.latest`). Per outbox table the newest
+    reading is served; the horizon is the database's, so its gauges take the highest
+    value over those readings. Kinds with no holder among the oldest the watchdog
+    reads are 0; with no fresh reading (watchdog off, not checked yet, checks failing
+    for three intervals) the families are empty.
+    """
+
+    def __init__(self, consumers: weakref.WeakSet[OutboxConsumer]) -> None:
+        self._consumers = consumers
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        newest: dict[str, MvccReport] = {}
+        for consumer in list(self._consumers):
+            report = consumer.mvcc if consumer.running else None
+            if report is None:
+                continue
+            q = consumer.options.queries
+            table = f"{q.schema}.{q.table}"
+            if table not in newest or report.checked_at > newest[table].checked_at:
+                newest[table] = report
+        age = GaugeMetricFamily(
+            "aiooutbox_xmin_horizon_age_seconds",
+            "Seconds the oldest backend or prepared transaction holding the xmin horizon"
+            " had been open at the last watchdog check, by kind (0: none).",
+            labels=["holder"],
+        )
+        xid_age = GaugeMetricFamily(
+            "aiooutbox_xmin_horizon_xid_age",
+            "Transaction ids between the horizon held by the oldest holder of each kind"
+            " and now, at the last watchdog check (0: none).",
+            labels=["holder"],
+        )
+        dead = GaugeMetricFamily(
+            "aiooutbox_dead_tuples",
+            "Dead tuples of the outbox table (pg_stat_user_tables.n_dead_tup).",
+            labels=["table"],
+        )
+        live = GaugeMetricFamily(
+            "aiooutbox_live_tuples",
+            "Live tuples of the outbox table (pg_stat_user_tables.n_live_tup).",
+            labels=["table"],
+        )
+        checked = GaugeMetricFamily(
+            "aiooutbox_mvcc_check_timestamp_seconds",
+            "Unix time of the watchdog reading the MVCC gauges come from.",
+            labels=["table"],
+        )
+        if newest:
+            ages = dict.fromkeys(_TIMED_KINDS, 0.0)
+            xids = dict.fromkeys(_HOLDER_KINDS.values(), 0.0)
+            for report in newest.values():
+                for holder in report.holders:
+                    kind = _HOLDER_KINDS.get(holder.kind)
+                    if kind is None:
+                        continue
+                    if holder.age is not None and kind in ages:
+                        ages[kind] = max(ages[kind], holder.age)
+                    if holder.xid_age is not None:
+                        xids[kind] = max(xids[kind], float(holder.xid_age))
+            for kind, seconds in ages.items():
+                age.add_metric([kind], seconds)
+            for kind, count in xids.items():
+                xid_age.add_metric([kind], count)
+            for table, report in sorted(newest.items()):
+                if report.dead_tuples is not None:
+                    dead.add_metric([table], float(report.dead_tuples))
+                if report.live_tuples is not None:
+                    live.add_metric([table], float(report.live_tuples))
+                checked.add_metric([table], report.checked_at)
+        yield age
+        yield xid_age
+        yield dead
+        yield live
+        yield checked
 
 
 class QueueCollector(Collector):

@@ -28,6 +28,7 @@ from ._listener import Listener
 from ._options import DEFAULT_MAX_CLAIM_BYTES, ConsumerOptions
 from ._settler import Settler
 from ._sql import DEFAULT_SCHEMA, DEFAULT_TABLE
+from ._watchdog import MvccReport
 from .errors import InvalidArgument
 from .handlers import ALL_TOPICS, Handler, HandlerFunc, resolve_handlers
 from .migrations import check_schema
@@ -244,6 +245,17 @@ class OutboxConsumer:
     def listening(self) -> bool:
         """True while the LISTEN connection is up."""
         return self._listener is not None and self._listener.connected
+
+    @property
+    def mvcc(self) -> MvccReport | None:
+        """The MVCC watchdog's latest findings: what pins the xmin horizon, and the
+        table's dead tuples (what the metrics serve).
+
+        ``None`` while the watchdog is off, has not checked yet, or its last reading
+        is older than three ``watchdog_interval`` (checks failing).
+        """
+        watchdog = None if self._engine is None else self._engine.watchdog
+        return None if watchdog is None else watchdog.latest
 
     @property
     def settle_backlog(self) -> int:

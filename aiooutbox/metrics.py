@@ -5,9 +5,11 @@ aiooutbox`` never imports this module. Three parts:
 
 - `OutboxMetrics`, an observer: ``OutboxConsumer(pool, observers=[metrics])`` counts
   outcomes, handler and claim durations, and reads the consumers' gauges (in flight,
-  listener, settle backlog) at scrape time. Families are registered on the registry
-  given, by default prometheus_client's global ``REGISTRY`` (what an app exposing
-  ``/metrics`` already serves); one `OutboxMetrics` per registry.
+  listener, settle backlog, and the MVCC watchdog's last reading: the xmin horizon's
+  age and the table's dead tuples) at scrape time, with no query of its own. Families
+  are registered on the registry given, by default prometheus_client's global
+  ``REGISTRY`` (what an app exposing ``/metrics`` already serves); one `OutboxMetrics`
+  per registry.
 - `OutboxMetrics.queue_gauges(pool)`: ``aiooutbox_queue_depth`` and
   ``aiooutbox_queue_lag_seconds``, refreshed by ONE query per interval per process
   (`Queries.queue_gauges`), never per scrape.
@@ -40,7 +42,13 @@ except ImportError as exc:  # pragma: no cover - exercised by the packaging test
         'aiooutbox.metrics needs prometheus_client: pip install "aiooutbox[prometheus]"'
     ) from exc
 
-from ._collectors import ConsumerGauges, EventCollector, PlainHistogram, QueueCollector
+from ._collectors import (
+    ConsumerGauges,
+    EventCollector,
+    MvccCollector,
+    PlainHistogram,
+    QueueCollector,
+)
 from ._metrics_server import MetricsServer
 from ._queue_gauges import QueueGauges
 from ._sql import DEFAULT_SCHEMA, DEFAULT_TABLE
@@ -98,6 +106,7 @@ class OutboxMetrics(Observer):
             EventCollector(self),
             ConsumerGauges(self._consumers),
             QueueCollector(self),
+            MvccCollector(self._consumers),
         )
         registered: list[Collector] = []
         try:
