@@ -104,7 +104,8 @@ class OutboxConsumer:
       ``dead_tuples_warning=1_000_000``: the MVCC watchdog (`aiooutbox._watchdog`)
       warns about a transaction, prepared transaction or replication slot pinning the
       xmin horizon longer than ``horizon_warning`` seconds, and about the outbox
-      table's dead tuples; ``watchdog_interval=None`` turns it off.
+      table's dead tuples; ``watchdog_interval=None`` turns it off. Its last reading
+      is `mvcc`, which the metrics serve.
 
     A handler registered for the topic ``"*"`` handles every topic without a handler
     of its own, and makes the consumer claim every topic (as relays do).
