@@ -9,7 +9,9 @@ pid, application name, state and age, so an operator can end it.
 Cheap by design: a few catalog reads every ``watchdog_interval`` (jittered ±50%), and
 one consumer per outbox at a time (a transaction-scoped advisory lock; the others skip
 that round). A warning for the same holder repeats at most every ten intervals. It
-never stops the consumer: a failed check is logged and retried next round.
+never stops the consumer: a failed check is logged and retried next round. The last
+report is also what the metrics serve (`Watchdog.latest`, read at scrape time), so a
+scrape costs no query.
 """
 
 from __future__ import annotations
@@ -90,12 +92,16 @@ class HorizonHolder:
 
 @dataclass(frozen=True)
 class MvccReport:
-    """What pins the horizon (oldest first) and the outbox table's dead tuples."""
+    """What pins the horizon (oldest first) and the outbox table's dead tuples.
+
+    ``checked_at`` is the Unix time the reading started (not part of `as_dict`).
+    """
 
     holders: list[HorizonHolder] = field(default_factory=list)
     dead_tuples: int | None = None
     live_tuples: int | None = None
     last_vacuum: datetime | None = None
+    checked_at: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -108,6 +114,7 @@ class MvccReport:
 
 async def inspect_mvcc(conn: asyncpg.Connection, q: Queries) -> MvccReport:
     """Read the horizon's holders and the table's dead tuples (what `stats` shows)."""
+    checked_at = time.time()
     rows = await conn.fetch(q.horizon_holders, _HOLDERS_SHOWN)
     vacuum = await conn.fetchrow(q.table_vacuum_stats, q.schema, q.table)
     return MvccReport(
@@ -115,6 +122,7 @@ async def inspect_mvcc(conn: asyncpg.Connection, q: Queries) -> MvccReport:
         dead_tuples=None if vacuum is None else vacuum[0],
         live_tuples=None if vacuum is None else vacuum[1],
         last_vacuum=None if vacuum is None else vacuum[2],
+        checked_at=checked_at,
     )
 
 
@@ -130,6 +138,20 @@ class Watchdog:
         self._warned: dict[tuple[object, ...], float] = {}
         self.checks = 0
         self.last: MvccReport | None = None
+        self._fresh_until = 0.0
+
+    @property
+    def latest(self) -> MvccReport | None:
+        """The last report while it is fresh, else ``None``.
+
+        Fresh means younger than three intervals: rounds are jittered up to 1.5
+        intervals apart and one may be skipped (another consumer was checking), and a
+        reading older than that, after failed checks, should vanish rather than look
+        current.
+        """
+        if self.last is None or time.monotonic() > self._fresh_until:
+            return None
+        return self.last
 
     async def run(self) -> None:
         """Check until cancelled; the first check comes soon after start."""
@@ -155,6 +177,7 @@ class Watchdog:
                 report = await inspect_mvcc(conn, self._q)
         self.checks += 1
         self.last = report
+        self._fresh_until = time.monotonic() + 3 * self._interval
         return report
 
     def _warn(self, report: MvccReport) -> None:

@@ -1,9 +1,10 @@
 """`OutboxConsumer`: the public façade that wires the consumer's parts together.
 
-The claim loop is `_dispatcher`, running one handler is `_executor`, writing outcomes
-is `_settler`, what this consumer holds is `_leases`, heartbeats, recovery and
-retention are `_maintenance`, and the options are validated once in `_options`. Every
-task is owned by `run()`, which returns after `stop()` once in-flight work is settled.
+The parts of one run are wired by `_engine`: the claim loop is `_dispatcher`, running
+one handler is `_executor`, writing outcomes is `_settler`, what this consumer holds is
+`_leases`, heartbeats, recovery and retention are `_maintenance`, and the options are
+validated once in `_options`. Every task is owned by `run()`, which returns after
+`stop()` once in-flight work is settled.
 """
 
 from __future__ import annotations
@@ -18,18 +19,16 @@ import asyncpg
 from anyio.abc import TaskStatus
 
 from ._codec import Decoder
-from ._db import TRANSIENT_ERRORS, PermanentDatabaseError
-from ._dispatcher import Dispatcher, Signals, declare
-from ._executor import ConsumerStats, Executor
-from ._handoff import Handoff
+from ._db import PermanentDatabaseError
+from ._dispatcher import Signals
+from ._engine import Engine
+from ._executor import ConsumerStats
 from ._leases import Leases
 from ._listener import Listener
-from ._maintenance import Maintenance
 from ._options import DEFAULT_MAX_CLAIM_BYTES, ConsumerOptions
-from ._rows import ClaimedRow
 from ._settler import Settler
 from ._sql import DEFAULT_SCHEMA, DEFAULT_TABLE
-from ._watchdog import Watchdog
+from ._watchdog import MvccReport
 from .errors import InvalidArgument
 from .handlers import ALL_TOPICS, Handler, HandlerFunc, resolve_handlers
 from .migrations import check_schema
@@ -105,7 +104,8 @@ class OutboxConsumer:
       ``dead_tuples_warning=1_000_000``: the MVCC watchdog (`aiooutbox._watchdog`)
       warns about a transaction, prepared transaction or replication slot pinning the
       xmin horizon longer than ``horizon_warning`` seconds, and about the outbox
-      table's dead tuples; ``watchdog_interval=None`` turns it off.
+      table's dead tuples; ``watchdog_interval=None`` turns it off. Its last reading
+      is `mvcc`, which the metrics serve.
 
     A handler registered for the topic ``"*"`` handles every topic without a handler
     of its own, and makes the consumer claim every topic (as relays do).
@@ -183,10 +183,7 @@ class OutboxConsumer:
         self._signals = Signals()
         self._settled_all = asyncio.Event()
         self._started = asyncio.Event()
-        self._workers_scope: anyio.CancelScope | None = None
-        self._startup_scope: anyio.CancelScope | None = None
-        self._listener: Listener | None = None
-        self._settler: Settler | None = None
+        self._engine: Engine | None = None
         self._handlers: dict[str, Handler] = {}
         self._observers.attached(self)
 
@@ -238,9 +235,28 @@ class OutboxConsumer:
         return self._state == "running"
 
     @property
+    def _listener(self) -> Listener | None:
+        return None if self._engine is None else self._engine.listener
+
+    @property
+    def _settler(self) -> Settler | None:
+        return None if self._engine is None else self._engine.settler
+
+    @property
     def listening(self) -> bool:
         """True while the LISTEN connection is up."""
         return self._listener is not None and self._listener.connected
+
+    @property
+    def mvcc(self) -> MvccReport | None:
+        """The MVCC watchdog's latest findings: what pins the xmin horizon, and the
+        table's dead tuples (what the metrics serve).
+
+        ``None`` while the watchdog is off, has not checked yet, or its last reading
+        is older than three ``watchdog_interval`` (checks failing).
+        """
+        watchdog = None if self._engine is None else self._engine.watchdog
+        return None if watchdog is None else watchdog.latest
 
     @property
     def settle_backlog(self) -> int:
@@ -293,10 +309,8 @@ class OutboxConsumer:
         self._signals.stop.set()
         self._signals.set_wake()
         self._signals.set_slot_freed()
-        if self._startup_scope is not None:
-            self._startup_scope.cancel()
-        if self._hurry and self._workers_scope is not None:
-            self._workers_scope.cancel()
+        if self._engine is not None:
+            self._engine.stop_requested()
 
     def _resolve(self, handlers: Handlers) -> tuple[dict[str, Handler], list[str] | None]:
         resolved = resolve_handlers(handlers)
@@ -355,7 +369,22 @@ class OutboxConsumer:
         task_status: TaskStatus[None],
     ) -> None:
         """Run the engine in its own task, so a cancelled run() stops it gracefully."""
-        engine = asyncio.ensure_future(self._engine(handlers, topics))
+        self._handlers = handlers
+        self._engine = Engine(
+            self._pool,
+            self.options,
+            handlers,
+            topics,
+            stats=self.stats,
+            leases=self._leases,
+            signals=self._signals,
+            observers=self._observers,
+            started=self._started,
+            is_stopping=lambda: self._stopping,
+            in_a_hurry=lambda: self._hurry,
+            on_fatal=self._on_fatal,
+        )
+        engine = asyncio.ensure_future(self._engine.run())
         started = asyncio.ensure_future(self._started.wait())
         cancelled = reported = False
         try:
@@ -384,162 +413,7 @@ class OutboxConsumer:
         if self._fatal is not None:
             raise self._fatal
 
-    # -- the engine ------------------------------------------------------------------
-    async def _engine(self, handlers: dict[str, Handler], topics: list[str] | None) -> None:
-        o = self.options
-        self._handlers = handlers
-        signals = self._signals
-        settler = self._settler = Settler(
-            self._pool,
-            o.queries,
-            o.worker_id,
-            flush_interval=0.005,
-            flush_size=max(64, o.concurrency),
-            statement_timeout=o.statement_timeout,
-            on_promoted=signals.set_wake,  # the key's next event may be ours to claim
-            on_retry_due=signals.retry_written,
-        )
-        logger.info(
-            "consumer %s starting: topics=%s concurrency=%d",
-            o.worker_id,
-            "all" if topics is None else topics,
-            o.concurrency,
-            extra={"worker_id": o.worker_id, "topics": topics},
-        )
-        signals = self._signals
-        async with anyio.create_task_group() as services:
-            if o.listen:
-                self._listener = Listener(
-                    self._pool,
-                    o.queries.channel,
-                    topics,
-                    signals.set_wake,
-                    dsn=o.listen_dsn,
-                    keepalive=max(o.poll_interval, 5.0),
-                    timeout=o.statement_timeout,
-                    worker_id=o.worker_id,
-                    probe_interval=o.listen_probe_interval,
-                )
-                # a stop() during the first connect must not wait for its timeout
-                with anyio.CancelScope() as self._startup_scope:
-                    if self._stopping:
-                        self._startup_scope.cancel()
-                    await services.start(self._listener.run)
-                self._startup_scope = None
-            self._started.set()
-            services.start_soon(settler.run)
-            maintenance = Maintenance(
-                self._pool,
-                o.queries,
-                o.worker_id,
-                leases=self._leases,
-                on_recovered=self._recovered,
-                lease_timeout=o.lease_timeout,
-                retention=o.retention,
-                statement_timeout=o.statement_timeout,
-            )
-            services.start_soon(maintenance.heartbeat_loop)
-            services.start_soon(maintenance.recovery_loop)
-            if o.watchdog_interval is not None:
-                services.start_soon(Watchdog(self._pool, o).run)
-            executor = Executor(
-                handlers=self._handlers,
-                settler=settler,
-                leases=self._leases,
-                stats=self.stats,
-                retry=o.retry,
-                handler_timeout=o.handler_timeout,
-                decoder=o.decoder,
-                is_stopping=lambda: self._stopping,
-                is_hurried=lambda: (
-                    self._workers_scope is not None and self._workers_scope.cancel_called
-                ),
-                on_finished=signals.set_slot_freed,
-                on_fatal=self._on_fatal,
-                observers=self._observers,
-            )
-            dispatcher = Dispatcher(
-                self._pool,
-                o,
-                topics=topics,
-                stats=self.stats,
-                leases=self._leases,
-                settler=settler,
-                signals=signals,
-                listener=self._listener,
-                is_stopping=lambda: self._stopping,
-                observers=self._observers,
-            )
-            handoff: Handoff[list[ClaimedRow]] = Handoff()
-            try:
-                async with anyio.create_task_group() as workers:
-                    self._workers_scope = workers.cancel_scope
-                    if self._hurry:
-                        workers.cancel_scope.cancel()
-                    for _ in range(o.concurrency):
-                        workers.start_soon(_worker, handoff, executor)
-                    try:
-                        await dispatcher.run(handoff)
-                    finally:
-                        handoff.close()
-                    await self._drain()
-                    workers.cancel_scope.cancel()
-            finally:
-                handoff.close()
-                # runs handed out that no worker took (a fast stop): release them too
-                while (run := handoff.take_nowait()) is not None:
-                    executor.release(run[0])
-                    self._leases.finish(run[0].id, run[0].attempts)
-                    self.stats.in_flight -= 1
-                    executor.give_back(run[1:])
-                await settler.close(timeout=max(o.statement_timeout, 5.0))
-                with anyio.CancelScope(shield=True):
-                    # no row claimed under our id may stay `processing` once run()
-                    # returns; skipped when the final flush gave up (the database is gone)
-                    if not settler.abandoned:
-                        await _quietly(
-                            dispatcher.take_back_orphans("still held at shutdown"), logging.WARNING
-                        )
-                    if o.listen:
-                        await _quietly(declare(self._pool, o, topics, busy=True))
-                services.cancel_scope.cancel()
-        logger.info(
-            "consumer %s stopped: %s", o.worker_id, self.stats, extra={"worker_id": o.worker_id}
-        )
-
-    async def _drain(self) -> None:
-        """Give running handlers up to ``shutdown_grace`` to finish."""
-        grace = self.options.shutdown_grace
-        if self.stats.in_flight == 0 or self._hurry:
-            return
-        logger.info("waiting up to %.1fs for %d running handler(s)", grace, self.stats.in_flight)
-        with anyio.move_on_after(grace):
-            while self.stats.in_flight > 0 and not self._hurry:
-                self._signals.clear_slot_freed()
-                await self._signals.slot_freed.wait()
-        if self.stats.in_flight:
-            logger.warning(
-                "cancelling %d handler(s) still running; their events are released",
-                self.stats.in_flight,
-            )
-
     def _on_fatal(self, exc: BaseException) -> None:
         if self._fatal is None:
             self._fatal = exc
         self.stop()
-
-    def _recovered(self, count: int) -> None:
-        self.stats.recovered += count
-        self._signals.set_wake()
-
-
-async def _worker(handoff: Handoff[list[ClaimedRow]], executor: Executor) -> None:
-    while (run := await handoff.get()) is not None:
-        await executor.execute_run(run)
-
-
-async def _quietly(awaitable: object, level: int = logging.DEBUG) -> None:
-    try:
-        await awaitable  # type: ignore[misc]
-    except TRANSIENT_ERRORS as exc:
-        logger.log(level, "ignored at shutdown (%s: %s)", type(exc).__name__, exc)

@@ -236,6 +236,93 @@ async def test_queue_gauges_query_reads_only_unfinished_rows_of_a_big_table(
     assert depth[("t2", "waiting")] == 4
 
 
+async def test_mvcc_gauges_follow_a_transaction_that_pins_the_horizon(dsn: str) -> None:
+    """A REPEATABLE READ transaction held open while the consumer drains events: the
+    horizon's age gauge rises while it lasts and falls back once it ends, and the drain's
+    dead tuples show. The numbers come from the watchdog's own checks, never a query per
+    scrape; a stopped consumer serves none."""
+    registry = CollectorRegistry()
+    metrics = OutboxMetrics(registry)
+    table = "public.outbox_events"
+    holder = await asyncpg.connect(dsn, server_settings={"application_name": "long-report"})
+    handled = 0
+
+    async def handler(event: aiooutbox.Event) -> None:
+        nonlocal handled
+        handled += 1
+
+    def age(found: dict[Any, float]) -> float | None:
+        return value(found, "aiooutbox_xmin_horizon_age_seconds", holder="backend")
+
+    try:
+        async with asyncpg.create_pool(dsn, min_size=1, max_size=4) as pool:
+            consumer = aiooutbox.OutboxConsumer(
+                pool, poll_interval=0.1, watchdog_interval=1.0, observers=[metrics]
+            )
+            async with (
+                MetricsServer(registry, port=0) as server,
+                consumer,
+                running(consumer, {"t": handler}),
+            ):
+
+                async def scrape() -> dict[Any, float]:
+                    return samples((await http_get(server.port, "/metrics"))[1])
+
+                async def checked() -> bool:
+                    return age(await scrape()) is not None
+
+                await wait_until(checked, 30)
+                before = await scrape()
+                tx = holder.transaction(isolation="repeatable_read")
+                await tx.start()
+                await holder.fetchval("SELECT count(*) FROM outbox_events")  # the snapshot
+                await aiooutbox.enqueue_many(pool, [aiooutbox.NewEvent("t", {})] * 500)
+                await wait_until(truthy(lambda: handled == 500), 60)
+
+                async def pinned() -> bool:
+                    found = await scrape()
+                    held, dead = age(found), value(found, "aiooutbox_dead_tuples", table=table)
+                    return held is not None and held >= 3 and dead is not None and dead >= 500
+
+                await wait_until(pinned, 60)
+                during = await scrape()
+                await tx.rollback()
+                ended = time.time()
+
+                async def released() -> bool:
+                    found = await scrape()
+                    at = value(found, "aiooutbox_mvcc_check_timestamp_seconds", table=table)
+                    now = age(found)
+                    return at is not None and at > ended and now is not None and now < 1.0
+
+                await wait_until(released, 60)
+                after = await scrape()
+        stopped = samples(_exposition(registry))
+    finally:
+        await holder.close()
+    mvcc = [
+        (name, dict(labels), v)
+        for when in (before, during, after)
+        for (name, labels), v in when.items()
+        if "horizon" in name or "tuples" in name
+    ]
+    print(*mvcc, sep="\n")
+    during_age = age(during)
+    assert during_age is not None and during_age >= 3
+    after_age = age(after)
+    assert after_age is not None and after_age < during_age
+    xid_before = value(before, "aiooutbox_xmin_horizon_xid_age", holder="backend")
+    xid_held = value(during, "aiooutbox_xmin_horizon_xid_age", holder="backend")
+    # the enqueue, the claims and the settles took transaction ids since the snapshot
+    assert xid_before is not None and xid_held is not None and xid_held > xid_before
+    assert value(during, "aiooutbox_xmin_horizon_age_seconds", holder="prepared_transaction") == 0
+    assert value(during, "aiooutbox_xmin_horizon_xid_age", holder="replication_slot") is not None
+    live = value(during, "aiooutbox_live_tuples", table=table)
+    assert live is not None
+    assert age(stopped) is None
+    assert value(stopped, "aiooutbox_dead_tuples", table=table) is None
+
+
 async def test_healthz_is_503_while_the_database_is_down_and_200_after() -> None:
     with private_postgres() as server:
         admin = await asyncpg.connect(server.dsn)
