@@ -532,11 +532,24 @@ async def test_cli_serves_metrics_and_healthz(dsn: str, pool: asyncpg.Pool) -> N
             return (await http_get(port, "/healthz"))[0] == 200
 
         await wait_until(healthy)
-        status, body = await http_get(port, "/metrics")
+        scraped: list[tuple[int, str]] = []
+
+        async def gauges_filled() -> bool:
+            # the listener connects and the queue gauges refresh in the background
+            scraped.append(await http_get(port, "/metrics"))
+            found = samples(scraped[-1][1])
+            return (
+                value(found, "aiooutbox_listener_connected") == 1
+                and value(found, "aiooutbox_queue_depth", topic="t.wait", status="pending") == 1
+            )
+
+        try:
+            await wait_until(gauges_filled, timeout=20, interval=0.05)
+        except AssertionError:
+            raise AssertionError(f"gauges never filled; last /metrics: {scraped[-1]}") from None
+        status, body = scraped[-1]
         assert status == 200
         found = samples(body)
-        assert value(found, "aiooutbox_listener_connected") == 1
-        assert value(found, "aiooutbox_queue_depth", topic="t.wait", status="pending") == 1
         assert any(name == "process_cpu_seconds_total" for name, _ in found)  # global registry
         runner.signal()
         assert await runner.wait() == 0
