@@ -225,7 +225,10 @@ class System:
 
 
 async def consume(dsn: str, settings: dict[str, Any], recorder: Any, stop: asyncio.Event) -> None:
-    """Child side: run an OutboxConsumer with a no-op handler until ``stop``."""
+    """Child side: run an OutboxConsumer with a no-op handler until ``stop``.
+    ``{"defaults": true}``: what a user who sets nothing runs, ``OutboxConsumer(pool)``
+    on ``asyncpg.create_pool(dsn)``."""
+    defaults = bool(settings.get("defaults"))
     pool_size = int(settings.get("pool_size", 6))
     options: dict[str, Any] = {
         "concurrency": int(settings.get("concurrency", 500)),
@@ -234,6 +237,8 @@ async def consume(dsn: str, settings: dict[str, Any], recorder: Any, stop: async
     for key in ("batch_size", "poll_interval"):
         if settings.get(key) is not None:
             options[key] = settings[key]
+    if defaults:
+        options = {}
 
     if recorder.latency:
 
@@ -253,8 +258,9 @@ async def consume(dsn: str, settings: dict[str, Any], recorder: Any, stop: async
     topics = list(settings.get("topics") or [TOPIC])
     copies = int(settings.get("consumers", 1))
     observe = settings.get("observe", "off")
+    sized: dict[str, int] = {} if defaults else {"min_size": pool_size, "max_size": pool_size}
     async with (
-        asyncpg.create_pool(dsn, min_size=pool_size, max_size=pool_size) as pool,
+        asyncpg.create_pool(dsn, **sized) as pool,
         observing(observe, pool) as make_observers,
     ):
         consumers = [
@@ -266,7 +272,7 @@ async def consume(dsn: str, settings: dict[str, Any], recorder: Any, stop: async
 
         async def watch() -> None:
             while not all(c.running for c in consumers) or (
-                options["listen"] and not all(c.listening for c in consumers)
+                options.get("listen", True) and not all(c.listening for c in consumers)
             ):
                 await asyncio.sleep(0.005)
             recorder.ready.set()

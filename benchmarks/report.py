@@ -49,6 +49,16 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             r,
             None if r is None else r >= 3.0,
         )
+        r = _num(drain[small].get("defaults_ratio"))
+        if r is not None:
+            add(
+                f"drain {int(small):,} at the defaults (OutboxConsumer(pool), asyncpg's"
+                " default pool) / PgQueuer tuned",
+                ">= 2.5",
+                r,
+                r >= 2.5,
+                f"{_fmt(drain[small].get(AIO + '_defaults'))} events/s",
+            )
         a_small, a_large = _num(drain[small].get(AIO)), _num(drain[large].get(AIO))
         r = a_large / a_small if a_small and a_large else None
         add(
@@ -245,6 +255,14 @@ def markdown(results: dict[str, Any]) -> str:
                 f"| {_fmt(row['ratio'], 2) + 'x' if row['ratio'] else '-'} "
                 f"| {row[f'{AIO}_rounds']} / {row[f'{PGQ}_rounds']} |"
             )
+        for size, row in sorted(drain.items(), key=lambda kv: int(kv[0])):
+            if row.get(f"{AIO}_defaults"):
+                lines.append(
+                    f"\naiooutbox at its defaults (`OutboxConsumer(pool)`, concurrency 64, on"
+                    f" `asyncpg.create_pool(dsn)`), {int(size):,} events:"
+                    f" {_fmt(row[f'{AIO}_defaults'])}/s,"
+                    f" {_fmt(row.get('defaults_ratio'), 2)}x PgQueuer tuned."
+                )
         runs = results["drain"]["runs"]
         lines += [
             "",

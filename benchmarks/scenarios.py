@@ -431,21 +431,41 @@ class Bench:
     async def drain(self) -> None:
         self.log("drain throughput")
         runs: list[dict[str, Any]] = []
+        smallest = self.config.drain_sizes[0]
         for n in self.config.drain_sizes:
             for r in range(self.config.drain_rounds.get(n, 1)):
-                order = (AIO, PGQ) if r % 2 == 0 else (PGQ, AIO)
-                for name in order:
+                # at the smallest size also aiooutbox at its defaults (OutboxConsumer(pool)
+                # on asyncpg's default pool), the order rotating by round
+                order: list[tuple[str, dict[str, Any] | None]] = [(AIO, None), (PGQ, None)]
+                if n == smallest:
+                    order.append((AIO, {"defaults": True}))
+                shift = r % len(order)
+                for name, settings in order[shift:] + order[:shift]:
                     if name == PGQ and n > self.config.pgqueuer_max_drain:
                         continue
-                    runs.append(await self.drain_once(self.systems[name], n, label=f"r{r + 1} "))
+                    label = f"r{r + 1} " + ("defaults " if settings else "")
+                    run = await self.drain_once(self.systems[name], n, settings, label=label)
+                    if settings:
+                        run["variant"] = "defaults"
+                    runs.append(run)
         summary: dict[str, Any] = {}
         for n in self.config.drain_sizes:
             row: dict[str, Any] = {}
             for name in (AIO, PGQ):
-                rates = [x["rate"] for x in runs if x["system"] == name and x["size"] == n]
+                rates = [
+                    x["rate"]
+                    for x in runs
+                    if x["system"] == name and x["size"] == n and "variant" not in x
+                ]
                 row[name] = round(median(rates), 1) if rates else None
                 row[f"{name}_rounds"] = len(rates)
             row["ratio"] = round(ratio(row[AIO], row[PGQ]), 3) if row[AIO] and row[PGQ] else None
+            at_defaults = [x["rate"] for x in runs if x["size"] == n and "variant" in x]
+            if at_defaults:
+                row[f"{AIO}_defaults"] = round(median(at_defaults), 1)
+                row["defaults_ratio"] = (
+                    round(ratio(row[f"{AIO}_defaults"], row[PGQ]), 3) if row[PGQ] else None
+                )
             summary[str(n)] = row
         self.results["drain"] = {"runs": runs, "summary": summary}
 

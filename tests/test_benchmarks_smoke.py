@@ -82,6 +82,13 @@ async def test_benchmark_suite_runs_at_tiny_sizes(pg_server: str, tmp_path: Path
         )
     for row in loaded["drain"]["summary"].values():
         assert positive(row["aiooutbox"]) and positive(row["pgqueuer"]) and positive(row["ratio"])
+    # aiooutbox at its defaults, at the smallest size only
+    defaults = [r for r in runs if r.get("variant") == "defaults"]
+    assert [(r["system"], r["size"], r["settings"]) for r in defaults] == [
+        ("aiooutbox", 300, {"defaults": True})
+    ]
+    assert positive(loaded["drain"]["summary"]["300"]["defaults_ratio"])
+    assert "aiooutbox_defaults" not in loaded["drain"]["summary"]["600"]
 
     # 2. steady state: latencies measured for every event produced
     assert sorted((r["system"], r["fraction"] or 0) for r in loaded["steady"]) == [
