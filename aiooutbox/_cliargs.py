@@ -61,6 +61,12 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+def _non_negative_int(text: str) -> int:
+    if not re.fullmatch(r"\s*\d+\s*", text):
+        raise InvalidArgument(f"expected a whole number (0 or more), got {text!r}")
+    return int(text)
+
+
 def _choice(*options: str) -> Callable[[str], str]:
     def check(text: str) -> str:
         if text.lower() not in options:
@@ -150,6 +156,7 @@ def _host(text: str) -> str:
 
 
 POSITIVE_INT = _argument_type(_positive_int, "positive_int")
+NON_NEGATIVE_INT = _argument_type(_non_negative_int, "non_negative_int")
 PORT = _argument_type(_port, "port")
 HOST = _argument_type(_host, "host")
 DURATION = _argument_type(admin.parse_duration, "duration")

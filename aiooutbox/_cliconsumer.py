@@ -7,6 +7,7 @@ import argparse
 import inspect
 
 from . import _output
+from ._cliargs import NON_NEGATIVE_INT
 from ._cliutil import (
     DURATION,
     FRACTION,
@@ -47,6 +48,15 @@ def add_consumer_options(parser: argparse.ArgumentParser, *, topics_help: str) -
         metavar="N",
         default=env_default("AIOOUTBOX_BATCH_SIZE", POSITIVE_INT, None),
         help="most events one claim takes (env AIOOUTBOX_BATCH_SIZE; default = concurrency)",
+    )
+    group.add_argument(
+        "--prefetch",
+        type=NON_NEGATIVE_INT,
+        metavar="N",
+        default=env_default("AIOOUTBOX_PREFETCH", NON_NEGATIVE_INT, None),
+        help="most events claimed ahead of the running handlers, about 0.1 s of work at "
+        "the recent rate (env AIOOUTBOX_PREFETCH; default 256 - concurrency, at least 0; "
+        "0 turns it off)",
     )
     group.add_argument(
         "--topics",
@@ -154,6 +164,7 @@ def add_consumer_options(parser: argparse.ArgumentParser, *, topics_help: str) -
 _FLAGS = {
     "concurrency": "--concurrency",
     "batch_size": "--batch-size",
+    "prefetch": "--prefetch",
     "each of topics": "--topics",
     "poll_interval": "--poll-interval",
     "lease_timeout": "--lease-timeout",
@@ -186,6 +197,7 @@ def build_options(args: argparse.Namespace) -> ConsumerOptions:
         return ConsumerOptions.build(
             concurrency=args.concurrency,
             batch_size=args.batch_size,
+            prefetch=args.prefetch,
             topics=args.topics,
             poll_interval=args.poll_interval,
             lease_timeout=args.lease_timeout,

@@ -45,6 +45,9 @@ _FULL_CLAIM_SHARE = 0.05
 # trail the oldest claimed row: producers commit out of their now() order (see
 # docs/benchmarks.md, "watermark lag")
 _WATERMARK_LAG = timedelta(milliseconds=10)
+# rows claimed ahead of the free workers: about this many seconds of work at the
+# recent rate (at most `prefetch`)
+_AHEAD_FOR = 0.1
 # the most events of one ordered key a claim takes behind its head
 _MAX_RUN = 256
 # the run rows a claim may take in all, per head asked for (docs/benchmarks.md, "runs
@@ -149,6 +152,11 @@ class Arrivals:
         self._trim(now)
         return self._total >= self._DENSE * self._WINDOW
 
+    def rate(self, now: float) -> float:
+        """Rows claimed per second over the last second."""
+        self._trim(now)
+        return self._total / self._WINDOW
+
     def _trim(self, now: float) -> None:
         while self._seen and now - self._seen[0][0] > self._WINDOW:
             self._total -= self._seen.popleft()[1]
@@ -210,7 +218,7 @@ class Dispatcher:
         self._signals = signals
         self._listener = listener
         self._is_stopping = is_stopping
-        self.window = ClaimWindow(options.claim_size)
+        self.window = ClaimWindow(options.dense_claim_size)
         self._arrivals = Arrivals()
         # a claim failed (its reply may have been lost), or we just started (a consumer
         # restarted under a fixed worker_id may have left rows behind)
@@ -230,7 +238,16 @@ class Dispatcher:
         full = False
         refill = max(1, o.claim_size // 4)
         while not self._is_stopping():
-            want = min(o.concurrency - s.in_flight, o.claim_size)
+            # claim ahead of the free workers (`prefetch`), as many rows as the recent
+            # rate gets through in _AHEAD_FOR: the next claim's round trip then overlaps
+            # the handlers instead of idling them, and no row waits long for a worker
+            ahead = min(o.ahead, int(self._arrivals.rate(time.monotonic()) * _AHEAD_FOR))
+            if ahead:
+                want = min(o.concurrency + ahead - s.in_flight, o.claim_size + ahead)
+                if o.batch_size is not None:
+                    want = min(want, o.batch_size)
+            else:
+                want = min(o.concurrency - s.in_flight, o.claim_size)
             if self._settler.backlog > 4 * o.concurrency:
                 await _wait_for(self._settler.wait_flushed(), o.poll_interval)
                 continue

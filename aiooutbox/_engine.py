@@ -94,7 +94,7 @@ class Engine:
             o.queries,
             o.worker_id,
             flush_interval=0.005,
-            flush_size=max(64, o.concurrency),
+            flush_size=max(64, o.concurrency + o.ahead),
             statement_timeout=o.statement_timeout,
             on_promoted=signals.set_wake,  # the key's next event may be ours to claim
             on_retry_due=signals.retry_written,

@@ -136,6 +136,8 @@ async def test_bad_input_gets_a_short_message_and_writes_nothing(
         (["run", "tests.cli_broken_handlers:handlers", *d], {}, 2, ("ZeroDivisionError",)),
         (["run", f"{HANDLERS}:handlers", "--topics", "nope", *d], {}, 2, ("--topics nope",)),
         (["run", f"{HANDLERS}:handlers", *d], {"AIOOUTBOX_CONCURRENCY": "many"}, 2, ("$AIOO",)),
+        (["run", f"{HANDLERS}:handlers", "--prefetch", "-1", *d], {}, 2, ("0 or more",)),
+        (["run", f"{HANDLERS}:handlers", *d], {"AIOOUTBOX_PREFETCH": "lots"}, 2, ("$AIOO",)),
         (["enqueue", "t", "{oops", *d], {}, 2, ("invalid JSON",)),
         (["enqueue", "t", "{}", "--headers", "[1]", *d], {}, 2, ("JSON object",)),
         (["enqueue", "t", "{}", "--delay", "soon", *d], {}, 2, ("invalid duration",)),

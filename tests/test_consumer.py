@@ -14,8 +14,10 @@ import pytest
 
 import aiooutbox
 from aiooutbox._options import DEFAULT_MAX_CLAIM_BYTES as MAX_CLAIM_BYTES
+from aiooutbox._options import ConsumerOptions
 from aiooutbox._plans import hot_path_plans, nested_plans
 from aiooutbox._sql import queries
+from aiooutbox.errors import InvalidArgument
 from tests.helpers import all_in, running, status_counts, truthy, wait_until
 
 FAST_RETRY = aiooutbox.RetryPolicy(base=0.05, factor=2.0, max_delay=0.2)
@@ -67,6 +69,46 @@ async def test_several_consumers_handle_each_event_exactly_once(pool: asyncpg.Po
     assert len(workers) >= 2, "work should spread over several consumers"
     assert max(peaks) <= concurrency
     assert sum(c.stats.done for c in consumers) == total
+
+
+@pytest.mark.parametrize(("prefetch", "bound"), [(None, 8 + 248), (20, 8 + 20), (0, 8)])
+async def test_prefetch_claims_ahead_of_fast_handlers_within_its_bound(
+    pool: asyncpg.Pool, prefetch: int | None, bound: int
+) -> None:
+    total = 3000
+    await aiooutbox.enqueue_many(pool, [aiooutbox.NewEvent("t", {}) for _ in range(total)])
+    held: list[int] = []
+    consumer = aiooutbox.OutboxConsumer(pool, concurrency=8, prefetch=prefetch)
+
+    async def handle(event: aiooutbox.Event) -> None:
+        held.append(consumer.stats.in_flight)  # claimed rows not finished yet
+
+    async with running(consumer, {"t": handle}):
+        await wait_until(all_in(pool, "done", total), timeout=60)
+    assert len(held) == total
+    assert max(held) <= bound, (max(held), bound)
+    if prefetch != 0:
+        assert max(held) > 8, max(held)  # it did claim ahead
+
+
+async def test_slow_handlers_get_no_prefetch(pool: asyncpg.Pool) -> None:
+    await aiooutbox.enqueue_many(pool, [aiooutbox.NewEvent("t", {}) for _ in range(10)])
+    held: list[int] = []
+    consumer = aiooutbox.OutboxConsumer(pool, concurrency=2)
+
+    async def handle(event: aiooutbox.Event) -> None:
+        held.append(consumer.stats.in_flight)
+        await asyncio.sleep(0.25)  # 8 events/s: under 0.1 s of work is less than a row
+
+    async with running(consumer, {"t": handle}):
+        await wait_until(all_in(pool, "done", 10), timeout=30)
+    assert max(held) <= 2, held
+
+
+def test_prefetch_must_be_a_whole_number() -> None:
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises((TypeError, InvalidArgument), match="prefetch"):
+            ConsumerOptions.build(prefetch=bad)
 
 
 async def test_unknown_topics_stay_pending(pool: asyncpg.Pool) -> None:
