@@ -135,6 +135,12 @@ class Observers(Observer):
         # the observers are kept with their tokens: the live set may change (after a
         # claim) while the handler runs
         live = self._live
+        if len(live) == 1:  # the common case, without a list per event
+            try:
+                return live, live[0].handler_started(event)
+            except Exception:
+                logger.exception("observer %r failed in handler_started()", live[0])
+                return live, None
         tokens = []
         for o in live:
             try:
@@ -152,9 +158,13 @@ class Observers(Observer):
         seconds: float,
         error: BaseException | None,
     ) -> None:
-        # in reverse, so context tokens are detached in the order they were attached
         live, tokens = token
-        for o, t in reversed(list(zip(live, tokens, strict=True))):
+        if len(live) == 1:
+            pairs: Any = ((live[0], tokens),)
+        else:
+            # in reverse, so context tokens are detached in the order they were attached
+            pairs = reversed(list(zip(live, tokens, strict=True)))
+        for o, t in pairs:
             try:
                 o.handler_finished(event, t, outcome, seconds, error)
             except Exception:

@@ -101,6 +101,7 @@ class TracingObserver(Observer):
             raise ImportError(
                 'TracingObserver needs opentelemetry-api: pip install "aiooutbox[otel]"'
             )
+        self._context, self._propagate, self._trace = api
         self._provider = tracer_provider
         self._tracer: Any = None
         self._kind = api[2].SpanKind.CONSUMER
@@ -115,7 +116,7 @@ class TracingObserver(Observer):
         A real provider never changes once set (the API allows setting it once), so its
         tracer is kept. The global propagator is checked here too, not per event.
         """
-        _, propagate, trace = _otel()
+        propagate, trace = self._propagate, self._trace
         if self._tracer is None:
             provider = self._provider or trace.get_tracer_provider()
             if isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider)):
@@ -140,7 +141,7 @@ class TracingObserver(Observer):
         Anything else (``tracestate``, baggage, another propagator) goes through the
         global propagator, as the producer's side did.
         """
-        trace = _otel()[2]
+        trace = self._trace
         value = headers.get("traceparent")
         if (
             self._w3c
@@ -160,7 +161,8 @@ class TracingObserver(Observer):
             )
         else:
             carrier = {k: v for k, v in headers.items() if isinstance(v, str)}
-            creation = trace.get_current_span(_otel()[1].extract(carrier)).get_span_context()
+            parent = self._propagate.extract(carrier)
+            creation = trace.get_current_span(parent).get_span_context()
         return creation if creation.is_valid else None
 
     def handler_started(self, event: Event) -> Any:
@@ -168,7 +170,7 @@ class TracingObserver(Observer):
         if tracer is None:
             # no SDK (the consumer does not call us then, but a caller might)
             return None
-        context, _, trace = _otel()
+        context, trace = self._context, self._trace
         headers = event.headers
         parent = links = None
         if headers and "traceparent" in headers:
@@ -206,14 +208,14 @@ class TracingObserver(Observer):
     ) -> None:
         if token is None:
             return
-        context, _, trace = _otel()
         span, attached = token
         try:
-            context.detach(attached)
+            self._context.detach(attached)
         finally:
             span.set_attribute("aiooutbox.outcome", outcome)
             if error is not None and outcome != "released":
                 span.record_exception(error)
                 span.set_attribute("error.type", type(error).__qualname__)
-                span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(error).__name__}"))
+                status = self._trace.Status(self._trace.StatusCode.ERROR, type(error).__name__)
+                span.set_status(status)
             span.end()

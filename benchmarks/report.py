@@ -421,15 +421,24 @@ def markdown(results: dict[str, Any]) -> str:
             f"## Cost of observability (drain of {observe['size']:,}, median of "
             f"{observe['rounds']} round(s))",
             "",
-            "| variant | drain/s |",
-            "|---|---:|",
-            *(f"| {k} | {_fmt(v)} |" for k, v in observe["rates"].items()),
+            "Drain rate to the last handler, and the consumer's CPU per event (all its"
+            " threads, startup and shutdown left out):",
             "",
-            "| ratio | value |",
-            "|---|---:|",
-            *(f"| {k} | {_fmt(v, 3)} |" for k, v in observe["ratios"].items()),
+            "| variant | drain/s | CPU us/event |",
+            "|---|---:|---:|",
+            *(
+                f"| {k} | {_fmt(v)} | {_fmt(observe.get('cpu_us_per_event', {}).get(k), 2)} |"
+                for k, v in observe["rates"].items()
+            ),
             "",
-            "Hook cost per event, timed in-process (best of 3), and the drain ratio it"
+            "| ratio | drain | CPU (off's CPU / the variant's) |",
+            "|---|---:|---:|",
+            *(
+                f"| {k} | {_fmt(v, 3)} | {_fmt(observe.get('cpu_ratios', {}).get(k), 3)} |"
+                for k, v in observe["ratios"].items()
+            ),
+            "",
+            "Hook CPU per event, timed in-process (best of 3), and the drain ratio it"
             " implies at the `off` rate:",
             "",
             "| variant | us/event | implied ratio |",
@@ -438,6 +447,9 @@ def markdown(results: dict[str, Any]) -> str:
                 f"| {k} | {_fmt(v, 2)} | {_fmt(observe['implied_ratios'].get(k), 3)} |"
                 for k, v in observe.get("hook_us_per_event", {}).items()
             ),
+            "",
+            "The SDK's own span (`tracer.start_span('a').end()`, BatchSpanProcessor):"
+            f" {_fmt(observe.get('sdk_bare_span_us'), 2)} us of CPU.",
         ]
     rss = results.get("rss", {})
     if rss:
