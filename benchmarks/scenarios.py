@@ -934,7 +934,10 @@ class Bench:
         runs: list[dict[str, Any]] = []
         for r in range(config.observe_rounds):
             shift = r % len(variants)
-            for variant in variants[shift:] + variants[:shift]:
+            order = variants[shift:] + variants[:shift]
+            if r % 2:  # reversed too: a rotation alone keeps every variant after the same one
+                order.reverse()
+            for variant in order:
                 settings = {**self.settings[AIO], "observe": variant}
                 run = await self.drain_once(
                     aio,
