@@ -143,15 +143,15 @@ class TracingObserver(Observer):
         """
         trace = self._trace
         value = headers.get("traceparent")
-        if (
-            self._w3c
+        match = (
+            _TRACEPARENT(value)
+            if self._w3c
             and isinstance(value, str)
             and "tracestate" not in headers
             and "baggage" not in headers
-        ):
-            match = _TRACEPARENT(value)
-            if match is None:
-                return None
+            else None
+        )
+        if match is not None:
             trace_id, span_id, flags = match.groups()
             creation = trace.SpanContext(
                 int(trace_id, 16),
@@ -159,7 +159,7 @@ class TracingObserver(Observer):
                 is_remote=True,
                 trace_flags=trace.TraceFlags(int(flags, 16)),
             )
-        else:
+        else:  # garbled or another version too: the propagator has the last word
             carrier = {k: v for k, v in headers.items() if isinstance(v, str)}
             parent = self._propagate.extract(carrier)
             creation = trace.get_current_span(parent).get_span_context()

@@ -366,3 +366,44 @@ def test_an_sdk_configured_after_the_consumer_started_is_used_from_the_next_clai
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[False, True] ['process late']", result.stdout
+
+
+def test_the_stored_context_is_read_as_the_w3c_propagator_reads_it(
+    provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    """A lone traceparent takes a shortcut past the propagator; it must agree with it."""
+    trace_id, span_id = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    cases = {
+        "lone": {"traceparent": f"00-{trace_id}-{span_id}-01"},
+        "unsampled": {"traceparent": f" 00-{trace_id}-{span_id}-00\t"},
+        "with tracestate": {"traceparent": f"00-{trace_id}-{span_id}-01", "tracestate": "k=v"},
+        "upper case": {"traceparent": f"00-{trace_id.upper()}-{span_id}-01"},
+        "zero span id": {"traceparent": f"00-{trace_id}-{'0' * 16}-01"},
+        "future version": {"traceparent": f"01-{trace_id}-{span_id}-01-later"},
+    }
+    observer = TracingObserver(provider)
+    inside: dict[str, trace.SpanContext] = {}
+    for name, headers in cases.items():
+        event = aiooutbox.Event(1, name, {}, None, headers)
+        token = observer.handler_started(event)
+        inside[name] = trace.get_current_span().get_span_context()
+        observer.handler_finished(event, token, "done", 0.0, None)
+    # not sampled: the handler still runs in the trace, so its calls carry the decision on
+    assert format(inside["unsampled"].trace_id, "032x") == trace_id
+    assert not inside["unsampled"].trace_flags.sampled
+    spans = {s.name.removeprefix("process "): s for s in exporter.get_finished_spans()}
+    # "unsampled": the SDK's default sampler (ParentBased) drops it, so nothing exported
+    assert set(spans) == {"lone", "with tracestate", "upper case", "zero span id", "future version"}
+    for name in ("lone", "with tracestate", "future version"):
+        parent = spans[name].parent
+        assert parent is not None and parent.is_remote, name
+        assert (format(parent.trace_id, "032x"), format(parent.span_id, "016x")) == (
+            trace_id,
+            span_id,
+        )
+        assert parent.trace_flags.sampled
+        assert [link.context for link in spans[name].links] == [parent]
+    parent = spans["with tracestate"].parent
+    assert parent is not None and dict(parent.trace_state) == {"k": "v"}
+    for name in ("upper case", "zero span id"):  # refused, as the propagator does
+        assert spans[name].parent is None and not spans[name].links, name
