@@ -88,7 +88,6 @@ class Executor:
         self._on_finished = on_finished
         self._on_fatal = on_fatal
         self._observers = observers
-        self._observing = bool(observers)  # checked per event: a plain attribute
 
     async def execute_run(self, run: list[ClaimedRow]) -> None:
         """Run one event, or an ordered key's run of events one after another.
@@ -182,7 +181,8 @@ class Executor:
     async def _run(self, row: ClaimedRow, event: Event) -> str:
         handler = self._handlers.get(row.topic) or self._handlers[ALL_TOPICS]
         timeout = handler.timeout if handler.timeout is not None else self._handler_timeout
-        observing, observers = self._observing, self._observers
+        observers = self._observers
+        observing = observers.per_event  # a plain attribute, kept fresh once per claim
         token = observers.handler_started(event) if observing else None
         started = time.perf_counter() if observing else 0.0
         outcome = "done"

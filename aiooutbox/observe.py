@@ -5,6 +5,12 @@ on the event loop, synchronously, in the task that did the work; it must be quic
 must not raise (an observer that raises is logged and the work goes on). Gauges such
 as the number of running handlers are read from the consumer when needed
 (`OutboxConsumer.stats`, `OutboxConsumer.listening`) rather than pushed.
+
+The per-event hooks go only to the observers that want them: those that override one,
+and only while `Observer.wants_events` says so (asked once per claim), so an observer
+with nothing to record (health, or tracing while no SDK is configured) costs the events
+nothing (measured: calling a tracing observer with no SDK per event cost 1.0-1.7 us of
+a no-op event's ~10 us of consumer CPU; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -37,6 +43,15 @@ class Observer:
     def claimed(self, rows: int, seconds: float) -> None:
         """A claim returned ``rows`` rows (possibly 0) after ``seconds``."""
 
+    def wants_events(self) -> bool:
+        """Whether the per-event hooks (`handler_started`, `handler_finished`,
+        `settled`) should be called for the events of the claim just made.
+
+        Asked after each `claimed` call (and once when the consumer is built), never
+        per event. Only asked of observers that override a per-event hook; the default
+        says yes. An error here counts as yes."""
+        return True
+
     def handler_started(self, event: Event) -> Any:
         """A handler is about to run ``event``; the value returned is passed back to
         `handler_finished` (a span, a context token)."""
@@ -58,8 +73,22 @@ class Observer:
         those released or failed before their handler ran)."""
 
 
+def _per_event(observer: Observer) -> bool:
+    """Whether ``observer``'s class overrides a per-event hook."""
+    cls = type(observer)
+    return (
+        cls.handler_started is not Observer.handler_started
+        or cls.handler_finished is not Observer.handler_finished
+        or cls.settled is not Observer.settled
+    )
+
+
 class Observers(Observer):
-    """Fans each call out to several observers; a failing one is logged and skipped."""
+    """Fans each call out to several observers; a failing one is logged and skipped.
+
+    ``per_event`` (a plain attribute, read by the executor per event) is true while any
+    observer wants the per-event hooks; it is recomputed after each claim.
+    """
 
     def __init__(self, observers: Sequence[Observer]) -> None:
         for observer in observers:
@@ -68,9 +97,26 @@ class Observers(Observer):
                     f"observers must be aiooutbox.observe.Observer instances, not {observer!r}"
                 )
         self._all = tuple(observers)
+        self._eventful = tuple(o for o in self._all if _per_event(o))
+        self._live: tuple[Observer, ...] = ()
+        self.per_event = False
+        self._refresh()
 
     def __bool__(self) -> bool:
         return bool(self._all)
+
+    def _refresh(self) -> None:
+        live = []
+        for o in self._eventful:
+            try:
+                wanted = o.wants_events()
+            except Exception:
+                logger.exception("observer %r failed in wants_events()", o)
+                wanted = True
+            if wanted:
+                live.append(o)
+        self._live = tuple(live)
+        self.per_event = bool(live)
 
     def attached(self, consumer: OutboxConsumer) -> None:
         # called once, from OutboxConsumer(): an observer refusing it (misuse) raises there
@@ -83,16 +129,27 @@ class Observers(Observer):
                 o.claimed(rows, seconds)
             except Exception:
                 logger.exception("observer %r failed in claimed()", o)
+        if self._eventful:
+            self._refresh()
 
     def handler_started(self, event: Event) -> Any:
+        # the observers are kept with their tokens: the live set may change (after a
+        # claim) while the handler runs
+        live = self._live
+        if len(live) == 1:  # the common case, without a list per event
+            try:
+                return live, live[0].handler_started(event)
+            except Exception:
+                logger.exception("observer %r failed in handler_started()", live[0])
+                return live, None
         tokens = []
-        for o in self._all:
+        for o in live:
             try:
                 tokens.append(o.handler_started(event))
             except Exception:
                 logger.exception("observer %r failed in handler_started()", o)
                 tokens.append(None)
-        return tokens
+        return live, tokens
 
     def handler_finished(
         self,
@@ -102,15 +159,20 @@ class Observers(Observer):
         seconds: float,
         error: BaseException | None,
     ) -> None:
-        # in reverse, so context tokens are detached in the order they were attached
-        for o, t in reversed(list(zip(self._all, token, strict=True))):
+        live, tokens = token
+        if len(live) == 1:
+            pairs: Any = ((live[0], tokens),)
+        else:
+            # in reverse, so context tokens are detached in the order they were attached
+            pairs = reversed(list(zip(live, tokens, strict=True)))
+        for o, t in pairs:
             try:
                 o.handler_finished(event, t, outcome, seconds, error)
             except Exception:
                 logger.exception("observer %r failed in handler_finished()", o)
 
     def settled(self, topic: str, outcome: str) -> None:
-        for o in self._all:
+        for o in self._live:
             try:
                 o.settled(topic, outcome)
             except Exception:

@@ -42,6 +42,8 @@ class Recorder:
         self.committing: dict[float, float] = {}
         self.handled = 0
         self.t_start = 0.0
+        self.cpu_start = 0.0  # process CPU (all threads) at start and at the target
+        self.cpu_last = 0.0
         self.t_first = 0.0
         self.t_last = 0.0
         self.sent = array("d")
@@ -52,6 +54,7 @@ class Recorder:
 
     def started(self) -> None:
         self.t_start = time.time()
+        self.cpu_start = time.process_time()
 
     def count(self, event_id: int | None = None) -> None:
         if self.times:
@@ -64,6 +67,7 @@ class Recorder:
             self.ids.append(event_id)
         if self.target is not None and self.handled >= self.target:
             self.t_last = time.time()
+            self.cpu_last = time.process_time()
             self.reached.set()
 
     def hit(self, sent: float) -> None:
@@ -191,6 +195,8 @@ async def main(spec: dict[str, Any]) -> None:
         "elapsed": elapsed,
         "rate": recorder.handled / elapsed if elapsed > 0 else 0.0,
         "cpu_s": round(sum(me.cpu_times()[:2]), 3),
+        # the drain's own CPU, startup and shutdown left out (drain mode, counting handlers)
+        "drain_cpu_s": round(recorder.cpu_last - recorder.cpu_start, 4),
         "rss": samples,
         **recorder.latency_report(),
         **recorder.extra,

@@ -112,15 +112,18 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             None,
             plan.get("uses_index"),
         )
-    observe = results.get("observe", {}).get("ratios")
-    if observe:
+    observe = results.get("observe", {})
+    for field, how in (("ratios", "drain"), ("cpu_ratios", "consumer CPU per event")):
+        measured = observe.get(field)
+        if not measured:
+            continue
         for key, what, floor in (
-            ("metrics_vs_off", "drain with Prometheus metrics on / off", 0.95),
-            ("tracing_vs_off", "drain with tracing (SDK, no-op exporter) on / off", 0.85),
-            ("otel_api_vs_absent", "drain with opentelemetry-api, no SDK / not installed", 0.98),
+            ("metrics_vs_off", "Prometheus metrics on / off", 0.95),
+            ("tracing_vs_off", "tracing (SDK, no-op exporter) on / off", 0.85),
+            ("otel_api_vs_absent", "opentelemetry-api, no SDK / not installed", 0.98),
         ):
-            r = _num(observe.get(key))
-            add(what, f">= {floor}", r, None if r is None else r >= floor)
+            r = _num(measured.get(key))
+            add(f"{what} ({how})", f">= {floor}", r, None if r is None else r >= floor)
     ordering = results.get("ordering")
     if ordering:
         blocked = ordering["blocked"]
@@ -439,15 +442,24 @@ def markdown(results: dict[str, Any]) -> str:
             f"## Cost of observability (drain of {observe['size']:,}, median of "
             f"{observe['rounds']} round(s))",
             "",
-            "| variant | drain/s |",
-            "|---|---:|",
-            *(f"| {k} | {_fmt(v)} |" for k, v in observe["rates"].items()),
+            "Drain rate to the last handler, and the consumer's CPU per event (all its"
+            " threads, startup and shutdown left out):",
             "",
-            "| ratio | value |",
-            "|---|---:|",
-            *(f"| {k} | {_fmt(v, 3)} |" for k, v in observe["ratios"].items()),
+            "| variant | drain/s | CPU us/event |",
+            "|---|---:|---:|",
+            *(
+                f"| {k} | {_fmt(v)} | {_fmt(observe.get('cpu_us_per_event', {}).get(k), 2)} |"
+                for k, v in observe["rates"].items()
+            ),
             "",
-            "Hook cost per event, timed in-process (best of 3), and the drain ratio it"
+            "| ratio | drain | CPU (off's CPU / the variant's) |",
+            "|---|---:|---:|",
+            *(
+                f"| {k} | {_fmt(v, 3)} | {_fmt(observe.get('cpu_ratios', {}).get(k), 3)} |"
+                for k, v in observe["ratios"].items()
+            ),
+            "",
+            "Hook CPU per event, timed in-process (best of 3), and the drain ratio it"
             " implies at the `off` rate:",
             "",
             "| variant | us/event | implied ratio |",
@@ -456,6 +468,9 @@ def markdown(results: dict[str, Any]) -> str:
                 f"| {k} | {_fmt(v, 2)} | {_fmt(observe['implied_ratios'].get(k), 3)} |"
                 for k, v in observe.get("hook_us_per_event", {}).items()
             ),
+            "",
+            "The SDK's own span (`tracer.start_span('a').end()`, BatchSpanProcessor):"
+            f" {_fmt(observe.get('sdk_bare_span_us'), 2)} us of CPU.",
         ]
     rss = results.get("rss", {})
     if rss:

@@ -13,8 +13,9 @@ systems; every consumer runs in its own child process.
 7. producer throughput per driver path (asyncpg, SQLAlchemy, psycopg, psycopg2, Django):
    one-event transactions on 8 connections, no consumer (benchmarks/drivers.py);
 8. cost of observability: drain with Prometheus metrics on vs off, with tracing (SDK, a
-   no-op exporter) vs off, and with opentelemetry-api but no SDK vs OpenTelemetry not
-   importable; events carry a ``traceparent`` header in every variant;
+   no-op exporter; every event sampled, or one in ten) vs off, and with opentelemetry-api
+   but no SDK vs OpenTelemetry not importable; events carry a ``traceparent`` header in
+   every variant; rates and consumer CPU per event;
 9. ordered delivery and topic isolation (benchmarks/ordering_isolation.py).
 """
 
@@ -103,7 +104,7 @@ class Config:
     history_drain: int = 50_000
     history_rounds: int = 3
     observe_size: int = 50_000
-    observe_rounds: int = 3
+    observe_rounds: int = 5
     # ordering (issue 12): keyed vs unordered, one key, one blocked key
     ordering_size: int = 50_000
     ordering_keys: int = 10_000
@@ -307,6 +308,9 @@ class Bench:
             "rate": round(result["rate"], 1),
             "elapsed_s": round(result["elapsed"], 3),
             "client_cpu_s": result["cpu_s"],
+            # to the last handler and the CPU until then, startup and shutdown left out
+            "to_last_s": round(result["t_last"] - result["t_start"], 4),
+            "drain_cpu_s": result.get("drain_cpu_s"),
             "db_cpu_s": cpu.seconds,
             "finished": finished,
             "rss_max_mb": round(max(rss), 1),
@@ -915,55 +919,117 @@ class Bench:
 
     # -- 8. cost of observability -----------------------------------------------------
     async def cost_of_observing(self) -> None:
-        """Drain rate per observability setting, rounds rotating the order; medians.
+        """Drain rate and consumer CPU per observability setting, rounds rotating the
+        order; medians.
 
         The variants (``observe`` in the child's settings, see aiooutbox_runner):
         ``off`` no observer; ``metrics`` OutboxMetrics + ConsumerHealth + the queue
         gauges; ``tracing`` TracingObserver on an SDK provider whose exporter drops
-        spans (batched, as deployed); ``otel_api`` TracingObserver on the API's no-op
-        provider; ``otel_absent`` no observer and opentelemetry made unimportable.
+        spans (batched, as deployed), every event's traceparent sampled;
+        ``tracing_sampled`` the same with one event in ten sampled (head sampling at
+        10%: the SDK's default ParentBased sampler drops the other nine); ``otel_api``
+        TracingObserver on the API's no-op provider; ``otel_absent`` no observer and
+        opentelemetry made unimportable. ``off`` and ``otel_absent`` run the same code
+        (nothing imports opentelemetry in ``off`` either): their ratio is the A/A spread.
+
+        The rate is the drain's events over the time to its last handler (the child's
+        startup and shutdown left out); the CPU is the consumer process's, all threads
+        (the span processor's included), over the same stretch.
         """
         config = self.config
         n = config.observe_size
-        variants = ["off", "metrics", "tracing", "otel_api", "otel_absent"]
+        variants = ["off", "metrics", "tracing", "tracing_sampled", "otel_api", "otel_absent"]
         self.log(f"cost of observability: drain of {n:,}, {config.observe_rounds} round(s)")
         aio = self.systems[AIO]
+
+        async def one_in_ten_sampled() -> None:
+            await aio.insert_series(
+                n,
+                "topic, payload, headers",
+                "'bench', jsonb_build_object('i', g), jsonb_build_object('traceparent',"
+                " '00-' || md5(g::text) || '-' || left(md5(g::text || 's'), 16)"
+                " || CASE WHEN g % 10 = 0 THEN '-01' ELSE '-00' END)",
+            )
+
         runs: list[dict[str, Any]] = []
         for r in range(config.observe_rounds):
             shift = r % len(variants)
-            for variant in variants[shift:] + variants[:shift]:
+            order = variants[shift:] + variants[:shift]
+            if r % 2:  # reversed too: a rotation alone keeps every variant after the same one
+                order.reverse()
+            for variant in order:
                 settings = {**self.settings[AIO], "observe": variant}
                 run = await self.drain_once(
-                    aio, n, settings, label=f"{variant:11} ", traceparent=True
+                    aio,
+                    n,
+                    settings,
+                    label=f"{variant:15} ",
+                    traceparent=True,
+                    loader=one_in_ten_sampled if variant == "tracing_sampled" else None,
                 )
                 run["observe"] = variant
+                run["round"] = r
+                run["drain_rate"] = round(n / run["to_last_s"], 1) if run["to_last_s"] else 0.0
+                if run.get("drain_cpu_s") is not None:
+                    run["cpu_us_per_event"] = round(run["drain_cpu_s"] / n * 1e6, 2)
                 runs.append({k: v for k, v in run.items() if k != "rss"})
-        rates = {
-            v: median([x["rate"] for x in runs if x["observe"] == v and "error" not in x])
+        ok = [x for x in runs if "error" not in x]
+        rates = {v: median([x["drain_rate"] for x in ok if x["observe"] == v]) for v in variants}
+        cpu = {
+            v: median([x.get("cpu_us_per_event", math.nan) for x in ok if x["observe"] == v])
             for v in variants
         }
-        ratios = {
-            "metrics_vs_off": ratio(rates["metrics"], rates["off"]),
-            "tracing_vs_off": ratio(rates["tracing"], rates["off"]),
-            "otel_api_vs_absent": ratio(rates["otel_api"], rates["otel_absent"]),
+        pairs = {
+            "metrics_vs_off": ("metrics", "off"),
+            "tracing_vs_off": ("tracing", "off"),
+            "tracing_sampled_vs_off": ("tracing_sampled", "off"),
+            "otel_api_vs_absent": ("otel_api", "otel_absent"),
+            "absent_vs_off": ("otel_absent", "off"),  # the same code: the A/A spread
         }
+
+        # each round's ratio, then the median over rounds: a pair drained minutes apart
+        # on a shared machine differs by the load as much as by the variant
+        def paired(a: str, b: str) -> float:
+            by = {(x["observe"], x["round"]): x["drain_rate"] for x in ok}
+            return median(
+                [
+                    ratio(by[a, r], by[b, r])
+                    for r in range(config.observe_rounds)
+                    if (a, r) in by and (b, r) in by
+                ]
+            )
+
+        ratios = {k: paired(a, b) for k, (a, b) in pairs.items()}
+        # off's CPU per event over the variant's: the drain ratio the consumer's own cost
+        # implies were it the only bottleneck; far less disturbed by the other processes
+        # of a shared machine than a rate
+        cpu_ratios = {k: ratio(cpu[b], cpu[a]) for k, (a, b) in pairs.items()}
         # the same hooks timed in this process, per event, with no database or event loop
-        # in the way: far less noisy than a drain on a shared machine
-        hooks = {v: aiooutbox_runner.hook_cost_us(v) for v in ("metrics", "tracing", "otel_api")}
+        # in the way
+        hooks = {
+            v: aiooutbox_runner.hook_cost_us(v)
+            for v in ("metrics", "tracing", "tracing_sampled", "otel_api")
+        }
         per_event_us = 1e6 / rates["off"] if rates["off"] else math.nan
         implied = {v: per_event_us / (per_event_us + us) for v, us in hooks.items()}
+        bare = aiooutbox_runner.bare_span_us()
         self.results["observe"] = {
             "size": n,
             "rounds": config.observe_rounds,
             "runs": runs,
             "rates": {k: round(v, 1) for k, v in rates.items()},
             "ratios": {k: round(v, 3) for k, v in ratios.items()},
+            "cpu_us_per_event": {k: round(v, 2) for k, v in cpu.items()},
+            "cpu_ratios": {k: round(v, 3) for k, v in cpu_ratios.items()},
             "hook_us_per_event": {k: round(v, 2) for k, v in hooks.items()},
             "implied_ratios": {k: round(v, 3) for k, v in implied.items()},
+            "sdk_bare_span_us": round(bare, 2),
         }
+        self.log("  drain ratios: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
         self.log(
-            "  metrics/off = {metrics_vs_off:.3f}, tracing/off = {tracing_vs_off:.3f}, "
-            "otel api/absent = {otel_api_vs_absent:.3f}".format(**ratios)
+            "  CPU per event: "
+            + ", ".join(f"{k} {v:.1f} us" for k, v in cpu.items())
+            + f"; the SDK's bare span {bare:.1f} us"
         )
         self.log(
             "  hooks per event: "

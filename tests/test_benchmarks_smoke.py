@@ -116,8 +116,20 @@ async def test_benchmark_suite_runs_at_tiny_sizes(pg_server: str, tmp_path: Path
     # 3. wake-up: three modes, each saw every sample
     assert set(loaded["wakeup"]) == {"aiooutbox_notify", "aiooutbox_poll_only", "pgqueuer_notify"}
     observe = loaded["observe"]
-    assert set(observe["ratios"]) == {"metrics_vs_off", "tracing_vs_off", "otel_api_vs_absent"}
+    assert (
+        set(observe["ratios"])
+        == set(observe["cpu_ratios"])
+        == {
+            "metrics_vs_off",
+            "tracing_vs_off",
+            "tracing_sampled_vs_off",
+            "otel_api_vs_absent",
+            "absent_vs_off",
+        }
+    )
     assert all(positive(r) for r in observe["ratios"].values()), observe["ratios"]
+    assert all(positive(r) for r in observe["cpu_ratios"].values()), observe["cpu_ratios"]
+    assert positive(observe["sdk_bare_span_us"])
     assert all("error" not in run for run in observe["runs"]), observe["runs"]
     for mode in loaded["wakeup"].values():
         assert mode["handled"] == 3 and mode["latency_ms"]["n"] == 3

@@ -11,6 +11,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import asyncpg
 import pytest
@@ -22,6 +23,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 import aiooutbox
 from aiooutbox._logging import JsonFormatter
+from aiooutbox.observe import Observer
 from aiooutbox.tracing import TracingObserver
 from tests.clirunner import ROOT
 from tests.helpers import running, truthy, wait_until
@@ -271,3 +273,137 @@ def test_without_an_sdk_handlers_run_without_a_span() -> None:
         assert token is None
         observer.handler_finished(event, token, "done", 0.001, None)
         assert not trace.get_current_span().get_span_context().is_valid
+
+
+class Gated(Observer):
+    """Counts its per-event hooks; wants them only while ``wanted``."""
+
+    def __init__(self) -> None:
+        self.wanted = False
+        self.claims = self.started = self.finished = self.settled_events = 0
+
+    def claimed(self, rows: int, seconds: float) -> None:
+        self.claims += 1
+
+    def wants_events(self) -> bool:
+        return self.wanted
+
+    def handler_started(self, event: aiooutbox.Event) -> Any:
+        self.started += 1
+
+    def handler_finished(
+        self, event: aiooutbox.Event, token: Any, outcome: str, seconds: float, error: Any
+    ) -> None:
+        self.finished += 1
+
+    def settled(self, topic: str, outcome: str) -> None:
+        self.settled_events += 1
+
+
+async def test_per_event_hooks_go_only_to_observers_that_want_them_asked_per_claim(
+    pool: asyncpg.Pool,
+) -> None:
+    gated = Gated()
+    consumer = aiooutbox.OutboxConsumer(pool, poll_interval=0.1, observers=[gated])
+
+    async def handler(event: aiooutbox.Event) -> None:
+        pass
+
+    async with consumer, running(consumer, {"t": handler}):
+        await aiooutbox.enqueue_many(pool, [aiooutbox.NewEvent("t", {}) for _ in range(3)])
+        await wait_until(truthy(lambda: consumer.stats.done == 3))
+        assert gated.claims >= 1
+        assert (gated.started, gated.finished, gated.settled_events) == (0, 0, 0)
+        gated.wanted = True  # asked again after the next claim, before its rows run
+        await aiooutbox.enqueue_many(pool, [aiooutbox.NewEvent("t", {}) for _ in range(2)])
+        await wait_until(truthy(lambda: consumer.stats.done == 5))
+    assert (gated.started, gated.finished, gated.settled_events) == (2, 2, 2)
+
+
+def test_an_sdk_configured_after_the_consumer_started_is_used_from_the_next_claim(
+    dsn: str,
+) -> None:
+    """The global provider can be set once per process: a child process of its own."""
+    result = _python(
+        f"""
+        import asyncio
+        import asyncpg
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+        import aiooutbox
+        from aiooutbox.tracing import TracingObserver
+
+        async def main():
+            seen = []
+            arrived = [asyncio.Event(), asyncio.Event()]
+
+            async def handler(event):
+                seen.append(trace.get_current_span().get_span_context().is_valid)
+                arrived[len(seen) - 1].set()
+
+            async with asyncpg.create_pool({dsn!r}, min_size=1, max_size=4) as pool:
+                consumer = aiooutbox.OutboxConsumer(
+                    pool, poll_interval=0.1, observers=[TracingObserver()]
+                )
+                async with consumer:
+                    task = asyncio.ensure_future(consumer.run({{"late": handler}}))
+                    await aiooutbox.enqueue(pool, "late", {{}})
+                    await asyncio.wait_for(arrived[0].wait(), 30)
+                    exporter = InMemorySpanExporter()
+                    provider = TracerProvider()
+                    provider.add_span_processor(SimpleSpanProcessor(exporter))
+                    trace.set_tracer_provider(provider)
+                    await aiooutbox.enqueue(pool, "late", {{}})
+                    await asyncio.wait_for(arrived[1].wait(), 30)
+                    consumer.stop()
+                    await task
+            print(seen, [s.name for s in exporter.get_finished_spans()])
+
+        asyncio.run(main())
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[False, True] ['process late']", result.stdout
+
+
+def test_the_stored_context_is_read_as_the_w3c_propagator_reads_it(
+    provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    """A lone traceparent takes a shortcut past the propagator; it must agree with it."""
+    trace_id, span_id = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    cases = {
+        "lone": {"traceparent": f"00-{trace_id}-{span_id}-01"},
+        "unsampled": {"traceparent": f" 00-{trace_id}-{span_id}-00\t"},
+        "with tracestate": {"traceparent": f"00-{trace_id}-{span_id}-01", "tracestate": "k=v"},
+        "upper case": {"traceparent": f"00-{trace_id.upper()}-{span_id}-01"},
+        "zero span id": {"traceparent": f"00-{trace_id}-{'0' * 16}-01"},
+        "future version": {"traceparent": f"01-{trace_id}-{span_id}-01-later"},
+    }
+    observer = TracingObserver(provider)
+    inside: dict[str, trace.SpanContext] = {}
+    for name, headers in cases.items():
+        event = aiooutbox.Event(1, name, {}, None, headers)
+        token = observer.handler_started(event)
+        inside[name] = trace.get_current_span().get_span_context()
+        observer.handler_finished(event, token, "done", 0.0, None)
+    # not sampled: the handler still runs in the trace, so its calls carry the decision on
+    assert format(inside["unsampled"].trace_id, "032x") == trace_id
+    assert not inside["unsampled"].trace_flags.sampled
+    spans = {s.name.removeprefix("process "): s for s in exporter.get_finished_spans()}
+    # "unsampled": the SDK's default sampler (ParentBased) drops it, so nothing exported
+    assert set(spans) == {"lone", "with tracestate", "upper case", "zero span id", "future version"}
+    for name in ("lone", "with tracestate", "future version"):
+        parent = spans[name].parent
+        assert parent is not None and parent.is_remote, name
+        assert (format(parent.trace_id, "032x"), format(parent.span_id, "016x")) == (
+            trace_id,
+            span_id,
+        )
+        assert parent.trace_flags.sampled
+        assert [link.context for link in spans[name].links] == [parent]
+    parent = spans["with tracestate"].parent
+    assert parent is not None and dict(parent.trace_state) == {"k": "v"}
+    for name in ("upper case", "zero span id"):  # refused, as the propagator does
+        assert spans[name].parent is None and not spans[name].links, name
