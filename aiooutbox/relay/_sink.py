@@ -22,6 +22,7 @@ import json
 import logging
 import string
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
@@ -92,6 +93,32 @@ def render_destination(template: str, event: Event) -> str:
     return template.format(topic=event.topic, ordering_key=key or "")
 
 
+def _stdlib_body(payload: Any) -> bytes:
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def _pick_body() -> Callable[[Any], bytes]:
+    """orjson when installed (``aiooutbox[speedups]``): the stdlib encoder cost ~5% of a
+    relay's CPU. Its output is the same compact JSON; anything it refuses (an int past
+    64 bits, a key that is not a str) falls back to the stdlib."""
+    try:
+        import orjson
+    except ImportError:
+        return _stdlib_body
+    dumps = orjson.dumps
+
+    def body(payload: Any) -> bytes:
+        try:
+            return dumps(payload)
+        except TypeError:
+            return _stdlib_body(payload)
+
+    return body
+
+
+payload_body = _pick_body()
+
+
 def _header_value(value: Any) -> str:
     if isinstance(value, str):
         return value
@@ -113,10 +140,9 @@ class Message:
     def of(cls, event: Event, template: str) -> Message:
         if not event.message_id:
             raise Dead("the event has no message_id; migrate the outbox schema")
-        body = json.dumps(
-            event.payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-        ).encode()
-        headers = {str(k): _header_value(v) for k, v in (event.headers or {}).items()}
+        body = payload_body(event.payload)
+        own = event.headers
+        headers = {str(k): _header_value(v) for k, v in own.items()} if own else {}
         headers[TOPIC_HEADER] = event.topic
         headers[EVENT_ID_HEADER] = str(event.id)
         headers[MESSAGE_ID_HEADER] = event.message_id
@@ -125,7 +151,9 @@ class Message:
         key = ordering_key(event)
         if key is not None:
             headers[ORDERING_KEY_HEADER] = key
-        return cls(render_destination(template, event), body, event.message_id, headers, key, event)
+        # the default template is the topic itself: no format() per event
+        destination = event.topic if template == "{topic}" else render_destination(template, event)
+        return cls(destination, body, event.message_id, headers, key, event)
 
 
 class Sink:
