@@ -376,17 +376,21 @@ def markdown(results: dict[str, Any]) -> str:
             f"## Relay vs bare client loops ({relay['jetstream']['events']:,} events, "
             f"{relay['jetstream']['in_flight']} in flight, alternated rounds, medians)",
             "",
-            "| broker | bare loop | bare/s | relay/s | relay / bare |",
-            "|---|---|---:|---:|---:|",
+            "| broker | bare loop | bare/s | relay/s | relay / bare "
+            "| relay at concurrency 256 /s | / bare |",
+            "|---|---|---:|---:|---:|---:|---:|",
         ]
         for name in ("jetstream", "rabbitmq"):
             row = relay[name]
             variants = row.get("ratios") or {row.get("bare_loop", "bare"): row["ratio"]}
+            c256 = row.get("relay_c256_per_s")
             for variant, value in variants.items():
                 rates = row.get(f"{variant}_per_s", row["bare_per_s"])
+                base = median(rates)
+                tail = f"{_fmt(median(c256))} | {_fmt(median(c256) / base, 2)} |" if c256 else "| |"
                 lines.append(
-                    f"| {name} | {variant} | {_fmt(median(rates))} | "
-                    f"{_fmt(median(row['relay_per_s']))} | {_fmt(value, 2)} |"
+                    f"| {name} | {variant} | {_fmt(base)} | "
+                    f"{_fmt(median(row['relay_per_s']))} | {_fmt(value, 2)} | {tail}"
                 )
         star, lat = relay["all_topics"], relay["latency"]
         lines += [

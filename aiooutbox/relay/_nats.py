@@ -56,6 +56,7 @@ class NatsSink(Sink):
         connect_timeout: float | timedelta = 10.0,
         publish_timeout: float | timedelta = 10.0,
         reconnect_wait: float | timedelta = 60.0,
+        max_in_flight: int | None = None,
         connect_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(
@@ -63,6 +64,7 @@ class NatsSink(Sink):
             connect_timeout=connect_timeout,
             publish_timeout=publish_timeout,
             reconnect_wait=reconnect_wait,
+            max_in_flight=max_in_flight,
         )
         self._nats = require("nats", "nats")
         self.servers = [servers] if isinstance(servers, str) else list(servers)
