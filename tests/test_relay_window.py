@@ -150,7 +150,9 @@ async def test_nats_failure_amid_concurrent_publishes_settles_only_its_event(
         async with relaying(pool, NatsSink(NATS_URL), concurrency=256, retry=retry):
             found = await wait_settled(pool, len(events))
         assert found == {"done": 600, "retry": 1}, found
-        rows = await pool.fetch("SELECT topic, status::text, attempts, last_error FROM outbox_events")
+        rows = await pool.fetch(
+            "SELECT topic, status::text, attempts, last_error FROM outbox_events"
+        )
         (failed,) = [r for r in rows if r["status"] == "retry"]
         assert failed["topic"] == stray
         assert "no JetStream stream captures subject" in failed["last_error"]
