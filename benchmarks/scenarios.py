@@ -145,7 +145,7 @@ class Config:
     )
     # the relay scenario (benchmarks/relay.py; needs the machine's NATS and RabbitMQ)
     relay_events: int = 20_000
-    relay_rounds: int = 3
+    relay_rounds: int = 5
     relay_latency_rate: float = 2000.0
     relay_latency_seconds: float = 10.0
 

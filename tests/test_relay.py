@@ -453,7 +453,7 @@ async def test_runner_relays_every_topic_and_stops_on_sigterm(
         await fill(pool, 200, topics=(prefix + "a", prefix + "b", prefix + "c"))
         from tests.relay.common import RelayProcess
 
-        relay = RelayProcess(dsn, NATS_URL)
+        relay = RelayProcess(dsn, NATS_URL, "--concurrency", "128", "--max-in-flight", "32")
         await wait_done(pool, 200, timeout=60)
         assert await relay.stop() == 0
         assert (await js.stream_info(stream)).state.messages == 200
@@ -471,6 +471,8 @@ async def test_runner_bad_input_and_unreachable_broker(dsn: str) -> None:
     assert result.rc == 2 and "must start with nats://" in result.err
     result = await cli("relay", "--to", NATS_URL, "--exchange", "x", "--dsn", dsn, env=env)
     assert result.rc == 2 and "only to amqp" in result.err
+    result = await cli("relay", "--to", NATS_URL, "--max-in-flight", "0", "--dsn", dsn, env=env)
+    assert result.rc == 2 and "--max-in-flight" in result.err, result.err
     port = free_port()
     result = await cli("relay", "--to", f"nats://127.0.0.1:{port}", "--dsn", dsn, env=env)
     assert result.rc == 1

@@ -43,12 +43,14 @@ class RabbitMQSink(Sink):
         connect_timeout: float | timedelta = 10.0,
         publish_timeout: float | timedelta = 10.0,
         reconnect_wait: float | timedelta = 60.0,
+        max_in_flight: int | None = None,
     ) -> None:
         super().__init__(
             destination=destination,
             connect_timeout=connect_timeout,
             publish_timeout=publish_timeout,
             reconnect_wait=reconnect_wait,
+            max_in_flight=max_in_flight,
         )
         if not isinstance(url, str) or not url.startswith(("amqp://", "amqps://")):
             raise TypeError(f"url must be an amqp:// or amqps:// URL, not {url!r}")

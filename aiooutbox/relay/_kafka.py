@@ -46,6 +46,7 @@ class KafkaSink(Sink):
         connect_timeout: float | timedelta = 10.0,
         publish_timeout: float | timedelta = 10.0,
         reconnect_wait: float | timedelta = 60.0,
+        max_in_flight: int | None = None,
         producer_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(
@@ -53,6 +54,7 @@ class KafkaSink(Sink):
             connect_timeout=connect_timeout,
             publish_timeout=publish_timeout,
             reconnect_wait=reconnect_wait,
+            max_in_flight=max_in_flight,
         )
         if not (isinstance(bootstrap_servers, (str, list))):
             raise TypeError(f"bootstrap_servers must be a str or list, not {bootstrap_servers!r}")

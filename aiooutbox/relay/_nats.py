@@ -7,13 +7,24 @@ the stream. Past the window a repeat is stored again (at-least-once); downstream
 consumers dedupe on the ``outbox-message-id`` header. The id is a UUID, not the row id:
 two outboxes relaying into one stream share row ids, and JetStream would silently drop
 the second one's events as duplicates.
+
+Publishes go out as plain NATS publishes with a reply subject on one inbox of the
+sink's own, and the PubAck is matched back by a counter token: nats-py's
+``js.publish`` draws a random token and arms a timer per message (measured: a fifth of
+the relay's CPU went there, docs/benchmarks.md); here one sweep every eighth of
+``publish_timeout`` fails the PubAcks overdue, so a publish times out after between 1
+and 1.125 ``publish_timeout``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import time
 from datetime import timedelta
 from typing import Any
 
+from .._codec import decode_json
 from ._sink import Message, Sink, logger, require
 
 __all__ = ["NatsSink", "NoStreamForSubject"]
@@ -45,6 +56,7 @@ class NatsSink(Sink):
         connect_timeout: float | timedelta = 10.0,
         publish_timeout: float | timedelta = 10.0,
         reconnect_wait: float | timedelta = 60.0,
+        max_in_flight: int | None = None,
         connect_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(
@@ -52,6 +64,7 @@ class NatsSink(Sink):
             connect_timeout=connect_timeout,
             publish_timeout=publish_timeout,
             reconnect_wait=reconnect_wait,
+            max_in_flight=max_in_flight,
         )
         self._nats = require("nats", "nats")
         self.servers = [servers] if isinstance(servers, str) else list(servers)
@@ -60,6 +73,11 @@ class NatsSink(Sink):
         self._options = dict(connect_options or {})
         self._nc: Any = None
         self._js: Any = None
+        self._inbox = ""
+        self._tokens = itertools.count()
+        #: token -> (future of the PubAck message, monotonic deadline)
+        self._acks: dict[str, tuple[asyncio.Future[Any], float]] = {}
+        self._sweeper: asyncio.Task[None] | None = None
         #: PubAcks that said "duplicate": repeats JetStream dropped
         self.duplicates = 0
         errors = self._nats.errors
@@ -76,7 +94,7 @@ class NatsSink(Sink):
             OSError,
             TimeoutError,
         )
-        self._no_stream = js_errors.NoStreamResponseError
+        self._api_error = js_errors.APIError
 
     def describe(self) -> str:
         return ",".join(self.servers)
@@ -99,28 +117,63 @@ class NatsSink(Sink):
         self._nc = await _connect_once(self._nats, options)
         self._js = self._nc.jetstream(timeout=self.publish_timeout)
         await self._js.account_info()  # JetStream enabled for this account?
+        self._inbox = self._nc.new_inbox() + "."
+        await self._nc.subscribe(self._inbox + "*", cb=self._on_ack)
+        self._sweeper = asyncio.ensure_future(self._sweep())
 
     async def _close(self) -> None:
-        if self._nc is not None:
-            await self._nc.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        try:
+            if self._nc is not None:
+                await self._nc.close()
+        finally:
+            closed = self._nats.errors.ConnectionClosedError
+            for future, _ in list(self._acks.values()):
+                if not future.done():
+                    future.set_exception(closed())
+            self._acks.clear()
+
+    async def _on_ack(self, msg: Any) -> None:
+        entry = self._acks.pop(msg.subject[len(self._inbox) :], None)
+        if entry is not None and not entry[0].done():
+            entry[0].set_result(msg)
+
+    async def _sweep(self) -> None:
+        """Fail the PubAcks overdue: one timer for every publish in flight."""
+        timeout = self._nats.errors.TimeoutError
+        while True:
+            await asyncio.sleep(self.publish_timeout / 8)
+            now = time.monotonic()
+            late = [t for t, (_, deadline) in self._acks.items() if deadline <= now]
+            for token in late:
+                future, _ = self._acks.pop(token)
+                if not future.done():
+                    future.set_exception(timeout())
 
     async def _send(self, message: Message) -> None:
-        headers = message.headers.copy()
+        headers = message.headers  # this message's own dict; a repeat sets the same id
         headers["Nats-Msg-Id"] = message.message_id
+        token = str(next(self._tokens))
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._acks[token] = (future, time.monotonic() + self.publish_timeout)
         try:
-            ack = await self._js.publish(
-                message.destination,
-                message.body,
-                timeout=self.publish_timeout,
-                headers=headers,
+            await self._nc.publish(
+                message.destination, message.body, reply=self._inbox + token, headers=headers
             )
-        except self._no_stream:
+            ack = await future
+        finally:
+            self._acks.pop(token, None)
+        if ack.headers and ack.headers.get("Status") == "503":  # no responders
             if not self._nc.is_connected:
-                raise ConnectionError("NATS connection lost") from None
+                raise ConnectionError("NATS connection lost")
             raise NoStreamForSubject(
                 f"no JetStream stream captures subject {message.destination!r}"
-            ) from None
-        if ack.duplicate:
+            )
+        reply = decode_json(ack.data)
+        if "error" in reply:
+            raise self._api_error.from_error(reply["error"])
+        if reply.get("duplicate"):
             self.duplicates += 1
 
     def _is_outage(self, exc: BaseException) -> bool:

@@ -11,6 +11,7 @@ from typing import Any
 from .._cliconsumer import add_consumer_options, build_options
 from .._cliutil import (
     DURATION,
+    POSITIVE_INT,
     CommandError,
     UsageError,
     add_command,
@@ -92,6 +93,15 @@ def add_relay_command(commands: Any, prog: str) -> None:
         "attempt (env AIOOUTBOX_RELAY_RECONNECT_WAIT; default 60s)",
     )
     group.add_argument(
+        "--max-in-flight",
+        type=POSITIVE_INT,
+        metavar="N",
+        default=env_default("AIOOUTBOX_RELAY_MAX_IN_FLIGHT", POSITIVE_INT, None),
+        help="publishes awaiting the broker's confirm at once; with --concurrency above "
+        "it, claimed events wait for a slot and the window stays full while the relay "
+        "claims (env AIOOUTBOX_RELAY_MAX_IN_FLIGHT; default: --concurrency)",
+    )
+    group.add_argument(
         "--no-idempotence",
         dest="idempotence",
         action="store_false",
@@ -120,6 +130,8 @@ def _sink(args: argparse.Namespace) -> Any:
         options["secret"] = secret
     else:
         options["reconnect_wait"] = args.reconnect_wait
+    if args.max_in_flight is not None:
+        options["max_in_flight"] = args.max_in_flight
     if not args.idempotence:
         if scheme != "kafka":
             raise UsageError("--no-idempotence applies only to kafka:// URLs")

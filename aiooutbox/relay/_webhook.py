@@ -105,6 +105,7 @@ class WebhookSink(Sink):
         secret: str | bytes,
         connect_timeout: float | timedelta = 10.0,
         publish_timeout: float | timedelta = 10.0,
+        max_in_flight: int | None = None,
         client_options: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
@@ -114,6 +115,7 @@ class WebhookSink(Sink):
             connect_timeout=connect_timeout,
             publish_timeout=publish_timeout,
             reconnect_wait=0,
+            max_in_flight=max_in_flight,
         )
         self._key = _secret_bytes(secret)
         self._httpx = require("httpx", "webhook")
