@@ -109,9 +109,10 @@ def _pick_body() -> Callable[[Any], bytes]:
 
     def body(payload: Any) -> bytes:
         try:
-            return dumps(payload)
+            encoded: bytes = dumps(payload)
         except TypeError:
             return _stdlib_body(payload)
+        return encoded
 
     return body
 
