@@ -74,7 +74,7 @@ class OutboxConsumer:
     - ``concurrency=64``: handlers running at once, and the most rows this consumer holds.
       Higher drains faster but holds more leases if the process dies.
     - ``batch_size=None`` (= concurrency): the most rows one claim takes.
-    - ``prefetch=None`` (= 256 - concurrency, at least 0): the most rows claimed ahead
+    - ``prefetch=None`` (= 512 - concurrency, at least 0): the most rows claimed ahead
       of the running handlers, waiting for a worker with their leases kept alive; no
       more than about 0.1 s of work at the recent rate (none under 10 events/s). It
       hides the claim's round trip behind the handlers; ``0`` holds at most

@@ -71,7 +71,7 @@ async def test_several_consumers_handle_each_event_exactly_once(pool: asyncpg.Po
     assert sum(c.stats.done for c in consumers) == total
 
 
-@pytest.mark.parametrize(("prefetch", "bound"), [(None, 8 + 248), (20, 8 + 20), (0, 8)])
+@pytest.mark.parametrize(("prefetch", "bound"), [(None, 8 + 504), (20, 8 + 20), (0, 8)])
 async def test_prefetch_claims_ahead_of_fast_handlers_within_its_bound(
     pool: asyncpg.Pool, prefetch: int | None, bound: int
 ) -> None:
