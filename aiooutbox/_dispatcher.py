@@ -260,7 +260,7 @@ class Dispatcher:
             try:
                 if self._reconcile:
                     await self.take_back_orphans("whose claim reply was lost")
-                rows = await self._claim(want)
+                rows = await self._claim(want, handoff)
             except TRANSIENT_ERRORS as exc:
                 if pool_is_closed(self._pool):
                     raise OutboxError(
@@ -273,16 +273,14 @@ class Dispatcher:
                 backoff = min(backoff * 2, 5.0)
                 continue
             backoff = 0.05
-            if rows:
-                # start the handlers first: the advert only gates NOTIFY, and a stale
-                # one for a round trip costs at most one extra notification
-                self._hand_out(rows, handoff)
-                if idle and self._arrivals.dense(time.monotonic()):
-                    # dense traffic: spare producers NOTIFY. While it is sparse the
-                    # advertisement stays, saving two round trips per wake-up, and an
-                    # event that commits meanwhile wakes us instead of waiting a linger.
-                    idle = False
-                    await self._declare(busy=True)
+            # the handlers started first (in `_claim`): the advert only gates NOTIFY, and
+            # a stale one for a round trip costs at most one extra notification
+            if rows and idle and self._arrivals.dense(time.monotonic()):
+                # dense traffic: spare producers NOTIFY. While it is sparse the
+                # advertisement stays, saving two round trips per wake-up, and an
+                # event that commits meanwhile wakes us instead of waiting a linger.
+                idle = False
+                await self._declare(busy=True)
             # full: the heads (runs ride along beyond them) took every row asked for
             full = sum(r.is_head for r in rows) >= min(want, self.window.size)
             if full:
@@ -336,7 +334,8 @@ class Dispatcher:
             return
         logger.warning("claim failed (%s: %s); retrying in %.2fs", type(exc).__name__, exc, backoff)
 
-    async def _claim(self, want: int) -> list[ClaimedRow]:
+    async def _claim(self, want: int, handoff: Handoff[list[ClaimedRow]]) -> list[ClaimedRow]:
+        """Claim up to ``want`` rows and hand them to the workers; return them."""
         window = self.window
         started = time.monotonic()
         full = window.next_is_full(started)
@@ -362,10 +361,17 @@ class Dispatcher:
         # fast stop during a claim releases its rows instead of stranding them for a
         # lease (the wait is bounded by the acquire and statement timeouts)
         with anyio.CancelScope(shield=True):
-            async with self._pool.acquire(timeout=self._o.statement_timeout) as conn:
+            conn = await self._pool.acquire(timeout=self._o.statement_timeout)
+            try:
                 records = await conn.fetch(sql, *args, timeout=self._o.statement_timeout)
+                rows = [ClaimedRow.from_record(r) for r in records]
+                # before the release: returning a connection to the pool resets it, a
+                # round trip the handlers need not wait for
+                if rows:
+                    self._hand_out(rows, handoff)
+            finally:
+                await self._pool.release(conn)
         self._stats.claims += 1
-        rows = [ClaimedRow.from_record(r) for r in records]
         ended = time.monotonic()
         window.claimed([r.available_at for r in rows], full=full, started=started, ended=ended)
         if self._observers:
