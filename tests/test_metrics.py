@@ -445,6 +445,12 @@ async def test_cli_serves_metrics_and_healthz(dsn: str, pool: asyncpg.Pool) -> N
             return (await http_get(port, "/healthz"))[0] == 200
 
         await wait_until(healthy)
+
+        async def listening() -> bool:  # /healthz leaves the LISTEN connection out
+            found = samples((await http_get(port, "/metrics"))[1])
+            return value(found, "aiooutbox_listener_connected") == 1
+
+        await wait_until(listening)
         status, body = await http_get(port, "/metrics")
         assert status == 200
         found = samples(body)
