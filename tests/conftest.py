@@ -84,19 +84,31 @@ class Databases:
         self._thread.start()
         self._ready: dict[str, collections.deque[Future[str]]] = {}
         self._drops: list[Future[None]] = []
+        self._admin: asyncpg.Pool | None = None  # made and used in the thread's loop only
 
     def _submit(self, coro: Coroutine[Any, Any, _T]) -> Future[_T]:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    async def _execute(self, sql: str) -> None:
+        if self._admin is None:  # a connection each would cost more than the statement
+            self._admin = await asyncpg.create_pool(self.admin_dsn, min_size=1, max_size=8)
+        await self._admin.execute(sql)
+
+    async def _create(self, template: str) -> str:
+        name = f"aiooutbox_t_{uuid.uuid4().hex[:12]}"
+        await self._execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
+        return name
 
     def take(self, template: str = TEMPLATE) -> Future[str]:
         """A new database copied from ``template``; another copy is started in its place."""
         ready = self._ready.setdefault(template, collections.deque())
         while len(ready) <= self.AHEAD:
-            ready.append(self._submit(_new_database(self.admin_dsn, template)))
+            ready.append(self._submit(self._create(template)))
         return ready.popleft()
 
     def drop_later(self, database: str) -> None:
-        self._drops.append(self._submit(_drop(self.admin_dsn, database)))
+        sql = f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'
+        self._drops.append(self._submit(self._execute(sql)))
 
     def close(self) -> None:
         """Drop the unused copies, wait for every drop, stop the thread; raise if one failed."""
@@ -105,6 +117,8 @@ class Databases:
                 with contextlib.suppress(Exception):
                     self.drop_later(made.result())
         failed = [e for f in self._drops if (e := f.exception()) is not None]
+        if self._admin is not None:
+            self._submit(self._admin.close()).result()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
