@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import os
+import threading
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from concurrent.futures import Future
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
@@ -15,13 +19,9 @@ import pytest
 import aiooutbox
 from tests.pgserver import postgres_server
 
+_T = TypeVar("_T")
+
 TEMPLATE = f"aiooutbox_tpl_{os.getpid()}"
-# A DROP DATABASE waits 0.3-1.6 s on PostgreSQL 15 (most of it for other backends to
-# let go of the database's files), but drops running together wait together: 8 took
-# 13 s one after another and 0.6 s at once. So the per-test databases are dropped by
-# these threads while the next tests run; the session waits for every drop (`pg_server`).
-_DROPPER = ThreadPoolExecutor(max_workers=8, thread_name_prefix="aiooutbox-test-dropper")
-_DROPS: list[Future[None]] = []
 
 
 def with_database(dsn: str, database: str) -> str:
@@ -52,25 +52,6 @@ async def _drop(admin_dsn: str, database: str) -> None:
         await conn.close()
 
 
-@pytest.fixture(scope="session")
-def pg_server() -> Iterator[str]:
-    """Admin DSN of the session's server."""
-    with postgres_server() as (dsn, _kind):
-        admin = dsn if urlsplit(dsn).path not in ("", "/") else with_database(dsn, "postgres")
-        asyncio.run(_create_template(admin))
-        try:
-            yield admin
-        finally:
-            _DROPPER.shutdown(wait=True)
-            asyncio.run(_drop(admin, TEMPLATE))
-            failed = [f.exception() for f in _DROPS if f.exception() is not None]
-            assert not failed, f"{len(failed)} test database(s) not dropped: {failed[:3]}"
-
-
-def _drop_later(admin_dsn: str, database: str) -> None:
-    _DROPS.append(_DROPPER.submit(asyncio.run, _drop(admin_dsn, database)))
-
-
 async def _new_database(admin_dsn: str, template: str) -> str:
     name = f"aiooutbox_t_{uuid.uuid4().hex[:12]}"
     conn = await asyncpg.connect(admin_dsn)
@@ -81,35 +62,125 @@ async def _new_database(admin_dsn: str, template: str) -> str:
     return name
 
 
+class Databases:
+    """Copies of a template made a few tests ahead and dropped behind, off the tests' path.
+
+    Each test still gets a database nobody has touched (a ``CREATE DATABASE ... TEMPLATE``
+    copy, never a recycled one): the copies are only made earlier. Creating one takes
+    20-300 ms and a ``DROP DATABASE`` 0.02-1.6 s on PostgreSQL 15 (most of it waiting for
+    other backends to let go of the files), so both run in a thread of their own while
+    the tests run; drops run together, which costs about what one costs. The session
+    waits for every drop at its end (`pg_server`).
+    """
+
+    AHEAD = 3  # copies ready (or being made) per template
+
+    def __init__(self, admin_dsn: str) -> None:
+        self.admin_dsn = admin_dsn
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="aiooutbox-test-databases", daemon=True
+        )
+        self._thread.start()
+        self._ready: dict[str, collections.deque[Future[str]]] = {}
+        self._drops: list[Future[None]] = []
+        self._admin: asyncpg.Pool | None = None  # made and used in the thread's loop only
+
+    def _submit(self, coro: Coroutine[Any, Any, _T]) -> Future[_T]:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    async def _execute(self, sql: str) -> None:
+        if self._admin is None:  # a connection each would cost more than the statement
+            self._admin = await asyncpg.create_pool(self.admin_dsn, min_size=1, max_size=8)
+        await self._admin.execute(sql)
+
+    async def _create(self, template: str) -> str:
+        name = f"aiooutbox_t_{uuid.uuid4().hex[:12]}"
+        await self._execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
+        return name
+
+    def take(self, template: str = TEMPLATE) -> Future[str]:
+        """A new database copied from ``template``; another copy is started in its place."""
+        ready = self._ready.setdefault(template, collections.deque())
+        while len(ready) <= self.AHEAD:
+            ready.append(self._submit(self._create(template)))
+        return ready.popleft()
+
+    def drop_later(self, database: str) -> None:
+        sql = f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'
+        self._drops.append(self._submit(self._execute(sql)))
+
+    def close(self) -> None:
+        """Drop the unused copies, wait for every drop, stop the thread; raise if one failed."""
+        for ready in self._ready.values():
+            for made in ready:
+                with contextlib.suppress(Exception):
+                    self.drop_later(made.result())
+        failed = [e for f in self._drops if (e := f.exception()) is not None]
+        if self._admin is not None:
+            self._submit(self._admin.close()).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+        assert not failed, f"{len(failed)} test database(s) not dropped: {failed[:3]}"
+
+
+_databases: Databases | None = None
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[str]:
+    """Admin DSN of the session's server."""
+    global _databases
+    with postgres_server() as (dsn, _kind):
+        admin = dsn if urlsplit(dsn).path not in ("", "/") else with_database(dsn, "postgres")
+        asyncio.run(_create_template(admin))
+        _databases = Databases(admin)
+        try:
+            yield admin
+        finally:
+            databases, _databases = _databases, None
+            try:
+                databases.close()
+            finally:
+                asyncio.run(_drop(admin, TEMPLATE))
+
+
+@pytest.fixture(scope="session")
+def databases(pg_server: str) -> Databases:
+    assert _databases is not None
+    return _databases
+
+
 @pytest.fixture
-async def dsn(pg_server: str) -> AsyncIterator[str]:
+async def dsn(databases: Databases) -> AsyncIterator[str]:
     """DSN of a fresh database with the outbox schema migrated (a template copy)."""
-    name = await _new_database(pg_server, TEMPLATE)
+    name = await asyncio.wrap_future(databases.take())
     try:
-        yield with_database(pg_server, name)
+        yield with_database(databases.admin_dsn, name)
     finally:
-        _drop_later(pg_server, name)
+        databases.drop_later(name)
 
 
 @pytest.fixture(scope="module")
-def shared_dsn(pg_server: str) -> Iterator[str]:
+def shared_dsn(databases: Databases) -> Iterator[str]:
     """One migrated database for a whole module, for many small cases that each leave it
     as they found it (a fresh database per case would cost more than the cases)."""
-    name = asyncio.run(_new_database(pg_server, TEMPLATE))
+    name = databases.take().result()
     try:
-        yield with_database(pg_server, name)
+        yield with_database(databases.admin_dsn, name)
     finally:
-        asyncio.run(_drop(pg_server, name))
+        databases.drop_later(name)
 
 
 @pytest.fixture
-async def empty_dsn(pg_server: str) -> AsyncIterator[str]:
+async def empty_dsn(databases: Databases) -> AsyncIterator[str]:
     """DSN of a fresh database without the outbox schema."""
-    name = await _new_database(pg_server, "template0")
+    name = await asyncio.wrap_future(databases.take("template0"))
     try:
-        yield with_database(pg_server, name)
+        yield with_database(databases.admin_dsn, name)
     finally:
-        _drop_later(pg_server, name)
+        databases.drop_later(name)
 
 
 @pytest.fixture
