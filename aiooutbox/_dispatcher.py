@@ -45,6 +45,9 @@ _FULL_CLAIM_SHARE = 0.05
 # trail the oldest claimed row: producers commit out of their now() order (see
 # docs/benchmarks.md, "watermark lag")
 _WATERMARK_LAG = timedelta(milliseconds=10)
+# an idle consumer that sees another transaction holding the table's write lock looks
+# again after the first pause, doubling up to the second (see `_idle_timeout`)
+_RECHECK = (0.01, 1.0)
 # rows claimed ahead of the free workers: about this many seconds of work at the
 # recent rate (at most `prefetch`)
 _AHEAD_FOR = 0.1
@@ -220,6 +223,7 @@ class Dispatcher:
         self._is_stopping = is_stopping
         self.window = ClaimWindow(options.dense_claim_size)
         self._arrivals = Arrivals()
+        self._recheck = _RECHECK[0]  # the next look while a writer's transaction is open
         # a claim failed (its reply may have been lost), or we just started (a consumer
         # restarted under a fixed worker_id may have left rows behind)
         self._reconcile = True
@@ -308,14 +312,11 @@ class Dispatcher:
                     advertised_on = listener.reconnects if listener is not None else -1
                     advertised_at = time.monotonic()
                     continue
-            elif idle and time.monotonic() - advertised_at > o.poll_interval:
-                # kept across sparse wake-ups: refresh it well before it expires
+            elif idle and time.monotonic() - advertised_at > o.poll_interval / 2:
+                # refresh it well before it expires (it lives 2 x poll_interval + 5 s)
                 idle = await self._declare(busy=False)
                 advertised_at = time.monotonic()
-            await _wait_for(signals.wake.wait(), await self._idle_timeout())
-            if idle and not signals.wake.is_set():
-                idle = await self._declare(busy=False)  # refresh before it expires
-                advertised_at = time.monotonic()
+            await _wait_for(signals.wake.wait(), await self._idle_timeout(idle))
 
     def _claim_failed(self, exc: BaseException, want: int, backoff: float) -> None:
         if isinstance(exc, (TimeoutError, asyncpg.QueryCanceledError)):
@@ -417,8 +418,9 @@ class Dispatcher:
         for run in runs_of(rows):
             handoff.put(run)
 
-    async def _idle_timeout(self) -> float:
-        """Jittered poll interval, shortened to when the next delayed event becomes due."""
+    async def _idle_timeout(self, advertised: bool) -> float:
+        """Jittered poll interval, shortened to when the next delayed event becomes due,
+        and while a transaction that may hold an un-notified insert is still open."""
         timeout = self._o.poll_interval * random.uniform(0.8, 1.2)
         try:
             args: tuple[Any, ...] = () if self._topics is None else (self._topics,)
@@ -426,11 +428,28 @@ class Dispatcher:
             due: float | None = await bounded(
                 self._pool, "fetchval", sql, *args, timeout=self._o.statement_timeout
             )
+            # The wake-up trigger looks for idle consumers when the INSERT runs, not at
+            # its COMMIT: a producer that inserted before we were advertised and commits
+            # after our last claim notifies nobody. Its transaction holds the table's
+            # write lock until then, so while such a lock is held, look again soon.
+            writers = advertised and bool(
+                await bounded(
+                    self._pool,
+                    "fetchval",
+                    self._q.open_writers,
+                    timeout=self._o.statement_timeout,
+                )
+            )
         except TRANSIENT_ERRORS as exc:
             check_permanent(exc, "looking for delayed events")
             return timeout
         if due is not None:
             timeout = min(timeout, max(due, 0.0) + 0.001)
+        if writers:
+            timeout = min(timeout, self._recheck)
+            self._recheck = min(self._recheck * 2, _RECHECK[1])
+        else:
+            self._recheck = _RECHECK[0]
         return timeout
 
     async def _declare(self, *, busy: bool) -> bool:

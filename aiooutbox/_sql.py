@@ -332,6 +332,18 @@ class Queries:
         )
 
     @property
+    def open_writers(self) -> str:
+        # other sessions holding the table's write lock (RowExclusiveLock, taken by
+        # INSERT/UPDATE/DELETE and kept to the end of the transaction); pg_locks is
+        # readable by every role
+        return (
+            "SELECT count(*) FROM pg_catalog.pg_locks"
+            " WHERE locktype = 'relation' AND mode = 'RowExclusiveLock' AND granted"
+            f" AND relation = '{self.qualified}'::regclass"
+            " AND pid <> pg_catalog.pg_backend_pid()"
+        )
+
+    @property
     def declare_idle(self) -> str:
         return (
             f"INSERT INTO {self.idle_table} (worker_id, topics, expires_at)"

@@ -385,6 +385,34 @@ async def test_sparse_wake_ups_keep_and_refresh_the_idle_advertisement(pool: asy
     assert await status_counts(pool) == {"done": 25}
 
 
+async def test_an_insert_that_commits_after_the_consumer_went_idle_is_not_left_for_the_poll(
+    pool: asyncpg.Pool,
+) -> None:
+    """The wake-up trigger looks for idle consumers when the INSERT runs: a producer that
+    inserted before the consumer advertised itself, and commits after its last claim,
+    notifies nobody. The consumer sees the open transaction's write lock and looks
+    again soon instead of waiting for its 30 s poll."""
+    started: dict[int, float] = {}
+
+    async def handle(event: aiooutbox.Event) -> None:
+        started[event.id] = time.monotonic()
+
+    async with pool.acquire() as producer:
+        tx = producer.transaction()
+        await tx.start()
+        event_id = await aiooutbox.enqueue(producer, "ping", {})  # nobody is idle yet
+        assert event_id is not None
+        consumer = aiooutbox.OutboxConsumer(pool, poll_interval=30)
+        async with running(consumer, {"ping": handle}):
+            await wait_until(lambda: _is_idle(pool, consumer))
+            await asyncio.sleep(0.3)  # its claims after advertising have come and gone
+            await tx.commit()
+            committed = time.monotonic()
+            await wait_until(partial(_has, started, event_id), timeout=10, interval=0.001)
+            waited = started[event_id] - committed
+    assert waited < 5.0, f"handled {waited:.3f}s after its commit (the poll is 30 s)"
+
+
 async def _has(mapping: dict[int, float], key: int) -> bool:
     return key in mapping
 
