@@ -366,6 +366,9 @@ class Dispatcher:
             try:
                 records = await conn.fetch(sql, *args, timeout=self._o.statement_timeout)
                 rows = [ClaimedRow.from_record(r) for r in records]
+                ended = time.monotonic()
+                if self._observers:  # first: they say here whether they want these events
+                    self._observers.claimed(len(rows), ended - started)
                 # before the release: returning a connection to the pool resets it, a
                 # round trip the handlers need not wait for
                 if rows:
@@ -373,10 +376,7 @@ class Dispatcher:
             finally:
                 await self._pool.release(conn)
         self._stats.claims += 1
-        ended = time.monotonic()
         window.claimed([r.available_at for r in rows], full=full, started=started, ended=ended)
-        if self._observers:
-            self._observers.claimed(len(rows), ended - started)
         return rows
 
     async def take_back_orphans(self, why: str) -> None:
