@@ -121,6 +121,7 @@ DECLARE
     after_at TIMESTAMPTZ := coalesce(p_after_at, '-infinity');
     after_id BIGINT := coalesce(p_after_id, 0);
     head_bytes BIGINT;
+    keyed BOOLEAN;  -- an ordered head was claimed: only then look for runs
 BEGIN
     IF topics IS NULL THEN
         -- every topic with claimable rows: a skip scan over the index's leading column
@@ -137,9 +138,12 @@ BEGIN
     END IF;
     IF cardinality(topics) = 1 THEN
         -- one topic: lock while scanning, so concurrent consumers skip each other exactly
-        SELECT array_agg(w.id), max(w.before + w.size) INTO heads, head_bytes FROM (
-            SELECT s.id, s.size, sum(s.size) OVER (ORDER BY s.available_at, s.id) - s.size AS before
-            FROM (SELECT c.id, c.available_at, pg_column_size(c.payload) AS size
+        SELECT array_agg(w.id), max(w.before + w.size), bool_or(w.keyed)
+        INTO heads, head_bytes, keyed FROM (
+            SELECT s.id, s.size, s.keyed,
+                   sum(s.size) OVER (ORDER BY s.available_at, s.id) - s.size AS before
+            FROM (SELECT c.id, c.available_at, pg_column_size(c.payload) AS size,
+                         c.ordering_key IS NOT NULL AS keyed
                   FROM "{{schema}}"."{{table}}" AS c
                   WHERE c.status IN ('pending', 'retry') AND c.topic = topics[1]
                     AND c.available_at <= now()
@@ -157,9 +161,12 @@ BEGIN
                   AND (c.available_at, c.id) > (after_at, after_id)
                 ORDER BY c.available_at, c.id LIMIT p_limit) AS x
             ORDER BY x.available_at, x.id LIMIT 2 * p_limit);
-        SELECT array_agg(w.id), max(w.before + w.size) INTO heads, head_bytes FROM (
-            SELECT s.id, s.size, sum(s.size) OVER (ORDER BY s.available_at, s.id) - s.size AS before
-            FROM (SELECT c.id, c.available_at, pg_column_size(c.payload) AS size
+        SELECT array_agg(w.id), max(w.before + w.size), bool_or(w.keyed)
+        INTO heads, head_bytes, keyed FROM (
+            SELECT s.id, s.size, s.keyed,
+                   sum(s.size) OVER (ORDER BY s.available_at, s.id) - s.size AS before
+            FROM (SELECT c.id, c.available_at, pg_column_size(c.payload) AS size,
+                         c.ordering_key IS NOT NULL AS keyed
                   FROM "{{schema}}"."{{table}}" AS c
                   WHERE c.id = ANY (cand) AND c.status IN ('pending', 'retry')
                     AND c.available_at <= now()
@@ -169,7 +176,7 @@ BEGIN
     IF heads IS NULL THEN
         RETURN;
     END IF;
-    IF p_run > 0 AND p_run_rows > 0 AND head_bytes < p_max_bytes THEN
+    IF keyed AND p_run > 0 AND p_run_rows > 0 AND head_bytes < p_max_bytes THEN
         runs := ARRAY(
             SELECT q.id FROM (
                 SELECT r.id, sum(r.size) OVER (ORDER BY r.pos, k.h_at, k.h_id) AS upto
