@@ -206,6 +206,7 @@ def tiny_ordering_isolation() -> Config:
     )
 
 
+@pytest.mark.slow  # benchmark child processes, four consumer processes at once
 async def test_ordering_and_isolation_scenarios_run_at_tiny_sizes(
     pg_server: str, tmp_path: Path
 ) -> None:

@@ -323,6 +323,7 @@ async def test_mvcc_gauges_follow_a_transaction_that_pins_the_horizon(dsn: str) 
     assert value(stopped, "aiooutbox_dead_tuples", table=table) is None
 
 
+@pytest.mark.slow  # starts and stops a private server
 async def test_healthz_is_503_while_the_database_is_down_and_200_after() -> None:
     with private_postgres() as server:
         admin = await asyncpg.connect(server.dsn)
