@@ -30,7 +30,7 @@ from ._settler import Settler
 from .errors import OutboxError
 from .observe import Observers
 
-__all__ = ["ClaimWindow", "Dispatcher", "Signals"]
+__all__ = ["Dispatcher", "Signals"]
 
 logger = logging.getLogger("aiooutbox.consumer")
 

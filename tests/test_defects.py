@@ -19,8 +19,8 @@ import asyncpg
 import pytest
 
 import aiooutbox
+from aiooutbox._claimwindow import ClaimWindow
 from aiooutbox._db import PermanentDatabaseError
-from aiooutbox._dispatcher import ClaimWindow
 from aiooutbox._rows import Outcome, Settlement
 from aiooutbox._settler import Settler
 from aiooutbox._sql import queries
@@ -263,7 +263,7 @@ def test_claim_window_shrinks_then_grows_back() -> None:
 
 
 def test_lingering_only_while_traffic_is_dense() -> None:
-    from aiooutbox._dispatcher import Arrivals
+    from aiooutbox._claimwindow import Arrivals
 
     arrivals = Arrivals()
     assert not arrivals.dense(0.0)
