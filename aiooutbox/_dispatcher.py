@@ -45,8 +45,9 @@ _RECHECK = (0.01, 1.0)
 _AHEAD_FOR = 0.1
 # the most events of one ordered key a claim takes behind its head
 _MAX_RUN = 256
-# the run rows a claim may take in all, per head asked for (docs/benchmarks.md, "runs
-# behind every head": larger budgets made claims so big that work came out in bursts)
+# the run rows a claim may take in all, per head asked for (docs/benchmarks.md, "Ordered
+# delivery and topic isolation": larger budgets made claims so big that work came out
+# in bursts)
 _RUN_ROWS_PER_HEAD = 2
 
 
