@@ -98,8 +98,7 @@ class Arrivals:
         self._trim(now)
 
     def dense(self, now: float) -> bool:
-        self._trim(now)
-        return self._total >= self._DENSE * self._WINDOW
+        return self.rate(now) >= self._DENSE
 
     def rate(self, now: float) -> float:
         """Rows claimed per second over the last second."""

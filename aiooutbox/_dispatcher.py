@@ -326,28 +326,21 @@ class Dispatcher:
         timeout = self._o.poll_interval * random.uniform(0.8, 1.2)
         try:
             args: tuple[Any, ...] = () if self._topics is None else (self._topics,)
-            sql = self._q.next_available_any if self._topics is None else self._q.next_available
-            due: float | None = await bounded(
-                self._pool, "fetchval", sql, *args, timeout=self._o.statement_timeout
-            )
-            # The wake-up trigger looks for idle consumers when the INSERT runs, not at
-            # its COMMIT: a producer that inserted before we were advertised and commits
-            # after our last claim notifies nobody. Its transaction holds the table's
-            # write lock until then, so while such a lock is held, look again soon.
-            writers = advertised and bool(
-                await bounded(
-                    self._pool,
-                    "fetchval",
-                    self._q.open_writers,
-                    timeout=self._o.statement_timeout,
-                )
+            sql = self._q.idle_probe_any if self._topics is None else self._q.idle_probe
+            probe = await bounded(
+                self._pool, "fetchrow", sql, *args, timeout=self._o.statement_timeout
             )
         except TRANSIENT_ERRORS as exc:
             check_permanent(exc, "looking for delayed events")
             return timeout
+        due: float | None = probe["due"]
         if due is not None:
             timeout = min(timeout, max(due, 0.0) + 0.001)
-        if writers:
+        # The wake-up trigger looks for idle consumers when the INSERT runs, not at its
+        # COMMIT: a producer that inserted before we were advertised and commits after
+        # our last claim notifies nobody. Its transaction holds the table's write lock
+        # until then, so while such a lock is held, look again soon.
+        if advertised and probe["writers"]:
             timeout = min(timeout, self._recheck)
             self._recheck = min(self._recheck * 2, _RECHECK[1])
         else:

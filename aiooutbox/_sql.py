@@ -332,6 +332,17 @@ class Queries:
         )
 
     @property
+    def idle_probe(self) -> str:
+        # before an idle wait, in one round trip: `next_available` ($1 topics) and
+        # whether another session holds the table's write lock (`open_writers`)
+        return f"SELECT ({self.next_available}) AS due, ({self.open_writers}) > 0 AS writers"
+
+    @property
+    def idle_probe_any(self) -> str:
+        # the same for a consumer of every topic
+        return f"SELECT ({self.next_available_any}) AS due, ({self.open_writers}) > 0 AS writers"
+
+    @property
     def open_writers(self) -> str:
         # other sessions holding the table's write lock (RowExclusiveLock, taken by
         # INSERT/UPDATE/DELETE and kept to the end of the transaction); pg_locks is

@@ -700,7 +700,7 @@ async def test_claim_plan_uses_the_partial_index(pool: asyncpg.Pool) -> None:
             plan = plans[name]
             assert "outbox_events_lease_idx" in plan and "Seq Scan" not in plan, plan
         # the probes before idling read one topic's range of the index at a time
-        for sql, args in ((q.next_available, (["x", "y"],)), (q.next_available_any, ())):
+        for sql, args in ((q.idle_probe, (["x", "y"],)), (q.idle_probe_any, ())):
             async with conn.transaction():
                 await conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
                 stmt = await conn.prepare("EXPLAIN " + sql)
