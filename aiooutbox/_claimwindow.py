@@ -58,11 +58,16 @@ class ClaimWindow:
             low, high = _FULL_CLAIM_EVERY
             self._full_every = min(high, max(low, (ended - started) / _FULL_CLAIM_SHARE))
         self.size = min(self.limit, self.size * 2)
-        finite = [a for a in available_ats if is_finite(a)]
-        if not finite:
+        if not available_ats:
             return
+        first = min(available_ats)  # all aware (`aware`): comparable
+        if not is_finite(first):  # a row at ±infinity: the oldest finite one, if any
+            finite = [a for a in available_ats if is_finite(a)]
+            if not finite:
+                return
+            first = min(finite)
         try:
-            oldest = (min(finite) - _WATERMARK_LAG, 0)
+            oldest = (first - _WATERMARK_LAG, 0)
         except OverflowError:  # a row scheduled at the dawn of time
             return
         if full or self.watermark is None or oldest > self.watermark:

@@ -57,10 +57,12 @@ def runs_of(rows: list[ClaimedRow]) -> list[list[ClaimedRow]]:
     runs: list[list[ClaimedRow]] = []
     keyed: dict[str, list[ClaimedRow]] = {}
     for row in rows:
-        if row.ordering_key is None:
+        if (key := row.ordering_key) is None:
             runs.append([row])
+        elif key in keyed:
+            keyed[key].append(row)
         else:
-            keyed.setdefault(row.ordering_key, []).append(row)
+            keyed[key] = [row]
     for members in keyed.values():
         members.sort(key=lambda r: (not r.is_head, r.id))
         runs.append(members)
@@ -314,9 +316,7 @@ class Dispatcher:
         self._arrivals.add(now, len(rows))
         self._stats.claimed += len(rows)
         self._stats.in_flight += len(rows)
-        hold = self._leases.hold
-        for row in rows:
-            hold(row.id, row.attempts, now)
+        self._leases.hold_all(rows, now)
         for run in runs_of(rows):
             handoff.put(run)
 

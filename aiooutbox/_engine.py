@@ -230,7 +230,10 @@ class Engine:
 
 async def _worker(handoff: Handoff[list[ClaimedRow]], executor: Executor) -> None:
     while (run := await handoff.get()) is not None:
-        await executor.execute_run(run)
+        if len(run) == 1:  # an unordered event: one coroutine less per event
+            await executor.execute(run[0])
+        else:
+            await executor.execute_run(run)
 
 
 async def _quietly(awaitable: object, level: int = logging.DEBUG) -> None:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
+
+from ._rows import ClaimedRow
 
 __all__ = ["Leases"]
 
@@ -26,8 +29,9 @@ class Leases:
     def ids(self) -> list[int]:
         return list(self._held)
 
-    def hold(self, event_id: int, attempts: int, now: float) -> None:
-        self._held[event_id] = (attempts, now)
+    def hold_all(self, rows: Iterable[ClaimedRow], now: float) -> None:
+        """`hold` for every row of a claim."""
+        self._held.update({row.id: (row.attempts, now) for row in rows})
 
     def finish(self, event_id: int, attempts: int) -> None:
         """Forget a row whose outcome is recorded (unless it was re-claimed since)."""

@@ -1,6 +1,6 @@
 """Typed records that cross module boundaries inside the consumer.
 
-`ClaimedRow` is a claimed row read by column name (the claim function's columns);
+`ClaimedRow` is a claimed row, its fields the claim function's columns in order;
 `Outcome` is why a row is settled the way it is; `Settlement` is one outcome waiting
 to be written.
 """
@@ -78,20 +78,14 @@ class ClaimedRow:
 
     @classmethod
     def from_record(cls, record: Any) -> ClaimedRow:
-        return cls(
-            record["id"],
-            record["topic"],
-            record["payload"],
-            record["dedupe_key"],
-            record["headers"],
-            record["attempts"],
-            record["max_attempts"],
-            created if (created := record["created_at"]).tzinfo is not None else aware(created),
-            due if (due := record["available_at"]).tzinfo is not None else aware(due),
-            record["message_id"],
-            record["ordering_key"],
-            record["is_head"],
-        )
+        """A row of the claim, whose columns come in the fields' order (a test pins
+        it): positional, because reading twelve columns by name cost more per event
+        than the rest of the hand-out."""
+        row = cls(*record)
+        if row.created_at.tzinfo is None or row.available_at.tzinfo is None:
+            row.created_at = aware(row.created_at)
+            row.available_at = aware(row.available_at)
+        return row
 
     @property
     def size(self) -> int:

@@ -1,0 +1,82 @@
+"""What the per-event hot path relies on: the claim's column order, the cheap `Event`
+builder, and the hot functions' pinned generic plans (migration 0007)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import pickle
+from datetime import UTC, datetime
+
+import asyncpg
+import pytest
+
+from aiooutbox._rows import ClaimedRow
+from aiooutbox._sql import queries
+from aiooutbox.events import Event, build_event
+
+Q = queries()
+
+
+async def test_claim_columns_come_in_claimed_row_field_order(conn: asyncpg.Connection) -> None:
+    # ClaimedRow.from_record reads the claim's columns by position
+    fields = [f.name for f in dataclasses.fields(ClaimedRow)]
+    for sql in (Q.claim, Q.claim_after):
+        columns = [a.name for a in (await conn.prepare(sql)).get_attributes()]
+        assert columns == fields, sql
+
+
+async def test_claimed_row_from_a_real_claim(conn: asyncpg.Connection) -> None:
+    await conn.execute(
+        "INSERT INTO outbox_events (topic, payload, headers, dedupe_key, ordering_key)"
+        " VALUES ('t', '{\"a\": 1}', '{\"h\": \"x\"}', 'd-1', 'k-1')"
+    )
+    records = await conn.fetch(Q.claim, "w", 30.0, ["t"], 10, 1 << 30, 10, 20)
+    row = ClaimedRow.from_record(records[0])
+    assert (row.topic, row.payload, row.headers, row.dedupe_key) == (
+        "t",
+        '{"a": 1}',
+        '{"h": "x"}',
+        "d-1",
+    )
+    assert (row.attempts, row.max_attempts, row.ordering_key, row.is_head) == (1, 5, "k-1", True)
+    assert row.created_at.tzinfo is not None and row.available_at.tzinfo is not None
+    assert row.message_id == str(records[0]["message_id"])
+
+
+def test_claimed_row_makes_infinite_timestamps_comparable() -> None:
+    # asyncpg returns -infinity/infinity as naive datetime.min/max
+    now = datetime.now(UTC)
+    row = ClaimedRow.from_record(
+        (1, "t", "{}", None, "{}", 1, 5, datetime.min, datetime.max, "m", None, True)
+    )
+    assert row.created_at.tzinfo is not None and row.available_at.tzinfo is not None
+    assert row.created_at < now < row.available_at
+
+
+def test_build_event_makes_an_ordinary_frozen_event() -> None:
+    values = (7, "t", {"a": 1}, "d", {"h": 1}, 2, 5, datetime.now(UTC), "m", "k")
+    built = build_event(*values)
+    assert type(built) is Event
+    assert built == Event(*values)
+    assert repr(built) == repr(Event(*values))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built.id = 8  # type: ignore[misc]
+    assert dataclasses.replace(built, id=8).id == 8
+    assert pickle.loads(pickle.dumps(built)) == built
+    assert copy.copy(built) == built and built.is_last_attempt is False
+
+
+async def test_hot_functions_always_run_generic_plans(conn: asyncpg.Connection) -> None:
+    names = ["claim_v6", "settle_done_v5", "settle_failed_v5", "promote", "requeue_v5"]
+    configs = dict(
+        await conn.fetch(
+            "SELECT p.proname, p.proconfig FROM pg_proc p"
+            " WHERE p.pronamespace = 'public'::regnamespace AND p.proname = ANY ($1::text[])",
+            [f"outbox_events_{n}" for n in names],
+        )
+    )
+    assert sorted(configs) == sorted(f"outbox_events_{n}" for n in names)
+    for name, config in configs.items():
+        assert "plan_cache_mode=force_generic_plan" in config, (name, config)
+        assert "enable_seqscan=off" in config, (name, config)
