@@ -282,3 +282,49 @@ def test_latency_grew_tells_a_building_backlog_from_a_steady_one() -> None:
     assert latency_grew(series([10, 12, 40, 90, 150, 230, 300, 380, 460]))
     # windows without events do not count, and too few windows never judge
     assert not latency_grew([[0, 5, 9, 0], [0.5, 900, 900, 0], [1, 5, 9, 10]])
+
+
+async def test_version_ab_drains_every_side(pg_server: str, tmp_path: Path) -> None:
+    from benchmarks import ab
+
+    checkout = str(Path(__file__).resolve().parent.parent)
+    out = tmp_path / "ab.json"
+    summary = await ab.main(
+        [
+            f"one={checkout}",
+            f"two={checkout}",
+            "--dsn",
+            pg_server,
+            "--events",
+            "300",
+            "--rounds",
+            "2",
+            "--settings",
+            '{"concurrency": 50, "pool_size": 2}',
+            "--database",
+            f"bench_ab_{uuid.uuid4().hex[:8]}",
+            "--out",
+            str(out),
+        ]
+    )
+    assert set(summary["medians"]) == {"one", "two"}
+    for m in summary["medians"].values():
+        assert positive(m["rate"]) and positive(m["client_cpu_s"])
+    assert positive(summary["ratios"]["two/one"])
+    written = json.loads(out.read_text())
+    assert [len(written["runs"][side]) for side in ("one", "two")] == [2, 2]
+
+
+def test_version_ab_refuses_bad_sides(tmp_path: Path) -> None:
+    from benchmarks import ab
+
+    checkout = str(Path(__file__).resolve().parent.parent)
+    for argv in (
+        [f"one={checkout}"],  # a single side compares nothing
+        [f"one={checkout}", f"one={checkout}"],  # names must differ
+        [f"one={checkout}", f"two={tmp_path}"],  # not a checkout
+        [f"one={checkout}", "no-equals-sign"],
+        [f"one={checkout}", f"two={checkout}", "--settings", "[1]"],
+    ):
+        with pytest.raises(SystemExit):
+            ab.parse([*argv, "--dsn", "postgresql://x@127.0.0.1/none"])
