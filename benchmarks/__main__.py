@@ -98,10 +98,24 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "placeholders) run on aiooutbox's databases after migrating, to measure an "
         "experimental schema change",
     )
+    parser.add_argument(
+        "--aiooutbox-settings",
+        metavar="JSON",
+        help="aiooutbox's settings when not tuning, instead of the defaults, e.g. "
+        '\'{"concurrency": 500, "pool_size": 6, "prefetch": 1500}\'',
+    )
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
     if args.backlog is not None and args.backlog < 1:
         parser.error("--backlog must be at least 1")
+    if args.aiooutbox_settings is not None:
+        try:
+            settings = json.loads(args.aiooutbox_settings)
+        except json.JSONDecodeError as exc:
+            parser.error(f"--aiooutbox-settings is not JSON: {exc}")
+        if not isinstance(settings, dict):
+            parser.error("--aiooutbox-settings must be a JSON object")
+        args.aiooutbox_settings = settings
     return args
 
 
@@ -120,6 +134,8 @@ def config_from(args: argparse.Namespace) -> Config:
         config.steady_fractions = args.steady_fractions
     if args.steady_rates is not None:
         config.steady_rates = args.steady_rates
+    if args.aiooutbox_settings is not None:
+        config.aiooutbox_settings = dict(args.aiooutbox_settings)
     if args.patch:
         config.patch = str(args.patch.resolve())
     if args.sql_patch:

@@ -234,7 +234,7 @@ async def consume(dsn: str, settings: dict[str, Any], recorder: Any, stop: async
         "concurrency": int(settings.get("concurrency", 500)),
         "listen": bool(settings.get("listen", True)),
     }
-    for key in ("batch_size", "poll_interval"):
+    for key in ("batch_size", "poll_interval", "prefetch"):
         if settings.get(key) is not None:
             options[key] = settings[key]
     if defaults:

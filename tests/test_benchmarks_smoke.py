@@ -13,7 +13,7 @@ pytest.importorskip("pgqueuer")
 pytest.importorskip("psutil")
 
 from benchmarks import report
-from benchmarks.__main__ import parse
+from benchmarks.__main__ import config_from, parse
 from benchmarks.scenarios import Bench, Config, latency_grew
 
 pytestmark = pytest.mark.timeout(90)
@@ -270,6 +270,12 @@ def test_cli_parses_the_documented_command() -> None:
     assert args.quick and not args.full and args.out == Path("benchmarks/results")
     args = parse(["--dsn", "x", "--only", "ordering", "isolation", "--backlog", "1000000"])
     assert args.only == ["ordering", "isolation"] and args.backlog == 1_000_000
+    chosen = '{"concurrency": 500, "pool_size": 6, "prefetch": 1500}'
+    config = config_from(parse(["--dsn", "x", "--no-tune", "--aiooutbox-settings", chosen]))
+    assert config.aiooutbox_settings == json.loads(chosen) and not config.tune
+    for bad in ("[1]", "{not json"):
+        with pytest.raises(SystemExit):
+            parse(["--dsn", "x", "--aiooutbox-settings", bad])
 
 
 def test_latency_grew_tells_a_building_backlog_from_a_steady_one() -> None:
