@@ -1,5 +1,6 @@
 """What the per-event hot path relies on: the claim's column order, the cheap `Event`
-builder, and the hot functions' pinned generic plans (migration 0007)."""
+builder, the hot functions' pinned generic plans (migration 0007) and the claim's
+head flags (migration 0008)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from datetime import UTC, datetime
 import asyncpg
 import pytest
 
+import aiooutbox
+from aiooutbox._plans import nested_plans
 from aiooutbox._rows import ClaimedRow
 from aiooutbox._sql import queries
 from aiooutbox.events import Event, build_event
@@ -80,3 +83,28 @@ async def test_hot_functions_always_run_generic_plans(conn: asyncpg.Connection) 
     for name, config in configs.items():
         assert "plan_cache_mode=force_generic_plan" in config, (name, config)
         assert "enable_seqscan=off" in config, (name, config)
+
+
+async def test_a_claim_with_runs_flags_its_heads_and_stays_on_indexes(
+    pool: asyncpg.Pool,
+) -> None:
+    """The claim tells heads from run rows by a join (migration 0008), not by a scan
+    of the heads array per row; its plans stay on indexes."""
+    events = [
+        aiooutbox.NewEvent("t", {"seq": seq}, ordering_key=f"k{k}")
+        for seq in range(4)
+        for k in range(20)
+    ]
+    ids = await aiooutbox.enqueue_many(pool, events)
+    first = {ids[k] for k in range(20)}  # seq 0 of each key: the heads
+    await pool.execute("ANALYZE outbox_events")
+    async with pool.acquire() as conn:
+        plans = await nested_plans(
+            conn, Q, [("claim", Q.claim, ("w", 30.0, ["t"], 100, 1 << 40, 256, 200))]
+        )
+    assert "Seq Scan" not in plans["claim"], plans["claim"]
+    assert "outbox_events_pkey" in plans["claim"], plans["claim"]
+    rows = await pool.fetch(Q.claim, "w", 30.0, ["t"], 100, 1 << 40, 256, 200)
+    assert len(rows) == 80  # every head and the three events behind each
+    assert {r["id"] for r in rows if r["is_head"]} == first
+    assert all(not r["is_head"] for r in rows if r["id"] not in first)
