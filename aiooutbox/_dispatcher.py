@@ -43,8 +43,11 @@ _RECHECK = (0.01, 1.0)
 # rows claimed ahead of the free workers: about this many seconds of work at the
 # recent rate (at most `prefetch`)
 _AHEAD_FOR = 0.1
-# the most events of one ordered key a claim takes behind its head
-_MAX_RUN = 256
+# the most events of one ordered key a claim takes behind its head (and never more than
+# the claim asks for): one key's drain is a claim, a run and a settlement per run, so
+# longer runs pay those fewer times (20k events of one key: 7-9k/s with 256, 9-11k/s
+# with 1,024 at want 512; docs/benchmarks.md, "Migration 0008")
+_MAX_RUN = 1024
 # the run rows a claim may take in all, per head asked for (docs/benchmarks.md, "Ordered
 # delivery and topic isolation": larger budgets made claims so big that work came out
 # in bursts)
