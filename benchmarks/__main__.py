@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from . import report
+from .common import settings_argument
 from .scenarios import Bench, Config
 
 SCENARIOS = (
@@ -109,13 +110,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if args.backlog is not None and args.backlog < 1:
         parser.error("--backlog must be at least 1")
     if args.aiooutbox_settings is not None:
-        try:
-            settings = json.loads(args.aiooutbox_settings)
-        except json.JSONDecodeError as exc:
-            parser.error(f"--aiooutbox-settings is not JSON: {exc}")
-        if not isinstance(settings, dict):
-            parser.error("--aiooutbox-settings must be a JSON object")
-        args.aiooutbox_settings = settings
+        args.aiooutbox_settings = settings_argument(
+            parser, "--aiooutbox-settings", args.aiooutbox_settings
+        )
     return args
 
 

@@ -24,7 +24,7 @@ from itertools import combinations
 from pathlib import Path
 from typing import Any
 
-from .common import median
+from .common import median, settings_argument
 
 # run in the child with the side's checkout first on sys.path
 _CHILD = r"""
@@ -126,13 +126,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("give at least two sides to compare")
     if args.events < 1 or args.rounds < 1:
         parser.error("--events and --rounds must be positive")
-    try:
-        settings = json.loads(args.settings)
-    except json.JSONDecodeError as exc:
-        parser.error(f"--settings is not JSON: {exc}")
-    if not isinstance(settings, dict):
-        parser.error("--settings must be a JSON object")
-    args.sides, args.settings = sides, settings
+    args.sides, args.settings = sides, settings_argument(parser, "--settings", args.settings)
     return args
 
 

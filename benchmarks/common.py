@@ -7,6 +7,7 @@ reads the child's JSON report from its stdout.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -256,3 +257,14 @@ class BackendCpu:
             return None
         # a backend first seen mid-run counts from its first sample: a small undercount
         return round(sum(self._last[p] - self._first[p] for p in self._last), 3)
+
+
+def settings_argument(parser: argparse.ArgumentParser, flag: str, text: str) -> dict[str, Any]:
+    """A command-line JSON object of consumer settings, or a parser error that says why."""
+    try:
+        settings = json.loads(text)
+    except json.JSONDecodeError as exc:
+        parser.error(f"{flag} is not JSON: {exc}")
+    if not isinstance(settings, dict):
+        parser.error(f"{flag} must be a JSON object")
+    return settings
