@@ -91,10 +91,12 @@ class NatsSink(Sink):
             errors.NoServersError,
             errors.FlushTimeoutError,
             js_errors.ServiceUnavailableError,
+            errors.NoRespondersError,
             OSError,
             TimeoutError,
         )
         self._api_error = js_errors.APIError
+        self._not_found = js_errors.NotFoundError
 
     def describe(self) -> str:
         return ",".join(self.servers)
@@ -167,14 +169,23 @@ class NatsSink(Sink):
         if ack.headers and ack.headers.get("Status") == "503":  # no responders
             if not self._nc.is_connected:
                 raise ConnectionError("NATS connection lost")
-            raise NoStreamForSubject(
-                f"no JetStream stream captures subject {message.destination!r}"
-            )
+            await self._require_stream(message.destination)
+            # a stream captures the subject, yet nobody answered: JetStream is away for
+            # now (a server shutting down stops JetStream before it drops connections)
+            raise ConnectionError(f"JetStream did not answer for {message.destination!r}")
         reply = decode_json(ack.data)
         if "error" in reply:
             raise self._api_error.from_error(reply["error"])
         if reply.get("duplicate"):
             self.duplicates += 1
+
+    async def _require_stream(self, subject: str) -> None:
+        """`NoStreamForSubject` when JetStream itself says no stream captures
+        ``subject``; when it cannot say (it is away too), the outage error propagates."""
+        try:
+            await self._js.find_stream_name_by_subject(subject)
+        except self._not_found as exc:
+            raise NoStreamForSubject(f"no JetStream stream captures subject {subject!r}") from exc
 
     def _is_outage(self, exc: BaseException) -> bool:
         return isinstance(exc, self._outages)
