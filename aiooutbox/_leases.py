@@ -30,7 +30,7 @@ class Leases:
         return list(self._held)
 
     def hold_all(self, rows: Iterable[ClaimedRow], now: float) -> None:
-        """`hold` for every row of a claim."""
+        """Hold every row of a claim, each lease extended at ``now``."""
         self._held.update({row.id: (row.attempts, now) for row in rows})
 
     def finish(self, event_id: int, attempts: int) -> None:
