@@ -90,15 +90,13 @@ class Executor:
         self._observers = observers
 
     async def execute_run(self, run: list[ClaimedRow]) -> None:
-        """Run one event, or an ordered key's run of events one after another.
+        """Run an ordered key's run of events one after another (the workers hand a
+        lone event straight to `execute`).
 
         The run stops at the first event that is not finished for good (a retry, a
         release, a dead event of a key that blocks): its later events were never
         started and go back to waiting, so the key resumes from there, in order.
         """
-        if len(run) == 1:  # the common case: an unordered event
-            await self.execute(run[0])
-            return
         for i, row in enumerate(run):
             try:
                 outcome = await self.execute(row)

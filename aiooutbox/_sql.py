@@ -222,7 +222,7 @@ class Queries:
         )
 
     # -- consumer ------------------------------------------------------------------
-    # The claim and the settlements are functions (migrations 0002, 0005, 0006) whose SET
+    # The claim and the settlements are functions (migrations 0002, 0005, 0006, 0008) whose SET
     # clauses pin them to index plans: a generic plan made while the table was small
     # would otherwise scan the whole table on every call once the backlog grows.
     def _function(self, name: str) -> str:
