@@ -4,6 +4,9 @@ tell a closed pool from either."""
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import asyncpg
@@ -18,7 +21,10 @@ __all__ = [
     "is_data_error",
     "permanent_reason",
     "pool_is_closed",
+    "pooled",
 ]
+
+logger = logging.getLogger("aiooutbox.db")
 
 # Everything a database call may raise that we handle at all: connection resets,
 # restarts, failovers, statement and acquire timeouts, server errors. asyncpg raises
@@ -83,6 +89,30 @@ def check_permanent(exc: BaseException, doing: str) -> None:
         ) from exc
 
 
+@asynccontextmanager
+async def pooled(pool: asyncpg.Pool, timeout: float) -> AsyncIterator[asyncpg.Connection]:
+    """``pool.acquire(timeout=)`` whose release survives being cancelled.
+
+    asyncpg releases in ``asyncio.shield(...)``; when the caller is cancelled during
+    it (a ``fail_after`` deadline, a stop) while the reset is stalled, the shielded
+    release goes on alone, and on Python 3.11 nobody retrieves its ``TimeoutError``:
+    the loop reports "Task exception was never retrieved". Here the release is our own
+    task, whose outcome we always read (the connection is terminated either way).
+    """
+    conn = await pool.acquire(timeout=timeout)
+    try:
+        yield conn
+    finally:
+        release = asyncio.ensure_future(pool.release(conn))
+        release.add_done_callback(_note_failed_release)
+        await asyncio.shield(release)
+
+
+def _note_failed_release(release: asyncio.Future[None]) -> None:
+    if not release.cancelled() and (exc := release.exception()) is not None:
+        logger.debug("a pooled connection's reset failed (%s); asyncpg closed it", exc)
+
+
 async def bounded(pool: asyncpg.Pool, method: str, query: str, *args: Any, timeout: float) -> Any:
     """``conn.<method>(query, *args)`` on a pooled connection, every step bounded.
 
@@ -91,5 +121,5 @@ async def bounded(pool: asyncpg.Pool, method: str, query: str, *args: Any, timeo
     may wait forever for its query cancellation (and a stop() would hang in the shielded
     cleanup). ``acquire(timeout=)`` also bounds the release.
     """
-    async with pool.acquire(timeout=timeout) as conn:
+    async with pooled(pool, timeout) as conn:
         return await getattr(conn, method)(query, *args, timeout=timeout)

@@ -19,7 +19,7 @@ import anyio
 import asyncpg
 
 from ._claimwindow import Arrivals, ClaimWindow
-from ._db import TRANSIENT_ERRORS, bounded, check_permanent, pool_is_closed
+from ._db import TRANSIENT_ERRORS, bounded, check_permanent, pool_is_closed, pooled
 from ._executor import ConsumerStats
 from ._handoff import Handoff
 from ._leases import Leases
@@ -273,8 +273,7 @@ class Dispatcher:
         # fast stop during a claim releases its rows instead of stranding them for a
         # lease (the wait is bounded by the acquire and statement timeouts)
         with anyio.CancelScope(shield=True):
-            conn = await self._pool.acquire(timeout=self._o.statement_timeout)
-            try:
+            async with pooled(self._pool, self._o.statement_timeout) as conn:
                 records = await conn.fetch(sql, *args, timeout=self._o.statement_timeout)
                 rows = [ClaimedRow.from_record(r) for r in records]
                 ended = time.monotonic()
@@ -284,8 +283,6 @@ class Dispatcher:
                 # round trip the handlers need not wait for
                 if rows:
                     self._hand_out(rows, handoff)
-            finally:
-                await self._pool.release(conn)
         self._stats.claims += 1
         window.claimed([r.available_at for r in rows], full=full, started=started, ended=ended)
         return rows

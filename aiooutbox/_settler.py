@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import anyio
 import asyncpg
 
-from ._db import TRANSIENT_ERRORS, check_permanent, is_data_error, pool_is_closed
+from ._db import TRANSIENT_ERRORS, check_permanent, is_data_error, pool_is_closed, pooled
 from ._rows import Outcome, Settlement
 from ._sql import Queries
 
@@ -234,7 +234,7 @@ class Settler:
 
     async def _write(self, batch: _Batch) -> None:
         statements = self._statements(batch)
-        async with self._pool.acquire(timeout=self._timeout) as conn:
+        async with pooled(self._pool, self._timeout) as conn:
             try:
                 results = await self._execute(conn, statements)
             except asyncpg.PostgresError as exc:

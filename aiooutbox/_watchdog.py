@@ -26,7 +26,7 @@ from typing import Any
 import anyio
 import asyncpg
 
-from ._db import TRANSIENT_ERRORS
+from ._db import TRANSIENT_ERRORS, pooled
 from ._options import ConsumerOptions
 from ._sql import Queries
 
@@ -169,7 +169,7 @@ class Watchdog:
     async def check(self) -> MvccReport | None:
         """One round, or ``None`` when another consumer is checking right now."""
         with anyio.fail_after(3 * self._timeout):
-            async with self._pool.acquire(timeout=self._timeout) as conn, conn.transaction():
+            async with pooled(self._pool, self._timeout) as conn, conn.transaction():
                 if not await conn.fetchval(
                     self._q.watchdog_lock, self._q.qualified, timeout=self._timeout
                 ):

@@ -491,6 +491,44 @@ async def test_backends_terminated_repeatedly(dsn: str, db: asyncpg.Connection) 
 # -- network cut and network stall --------------------------------------------------------
 
 
+async def test_a_release_cancelled_during_a_stall_leaves_no_unread_error(dsn: str) -> None:
+    """The watchdog's deadline or a stop may cancel a release whose reset is stalled.
+
+    asyncpg's release runs shielded and, once its caller is cancelled, nobody reads its
+    TimeoutError (Python 3.11's shield drops the callback): "Task exception was never
+    retrieved", once in CI. `pooled` reads it; the connection is closed either way.
+    """
+    from aiooutbox._db import pooled
+
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, Any]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+    try:
+        with TCPProxy.for_dsn(dsn) as proxy:
+            async with asyncpg.create_pool(proxy.proxied(dsn), min_size=1, max_size=1) as pool:
+
+                async def use_then_release() -> None:
+                    async with pooled(pool, 0.3) as conn:
+                        await conn.fetchval("SELECT 1")
+                        proxy.stall()  # the release's reset now waits for its timeout
+
+                task = asyncio.create_task(use_then_release())
+                await asyncio.sleep(0.1)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                await asyncio.sleep(0.6)  # past the reset's timeout
+                gc.collect()
+                await asyncio.sleep(0)
+                proxy.restore()
+                # the pool recovers: the stalled connection was terminated, not reused
+                assert await pool.fetchval("SELECT 2", timeout=5) == 2
+    finally:
+        loop.set_exception_handler(previous)
+    assert not errors, [f"{e.get('message')}: {e.get('exception')!r}" for e in errors]
+
+
 async def test_network_stall_and_cut(private_dsn: str, caplog: pytest.LogCaptureFixture) -> None:
     """Consumer <-> server through a TCP proxy that blackholes, then resets, the path.
 
