@@ -54,7 +54,7 @@ class Config:
 
     drain_sizes: list[int] = field(default_factory=lambda: [50_000, 200_000, 1_000_000])
     drain_rounds: dict[int, int] = field(
-        default_factory=lambda: {50_000: 3, 200_000: 2, 1_000_000: 1}
+        default_factory=lambda: {50_000: 5, 200_000: 2, 1_000_000: 1}
     )
     pgqueuer_max_drain: int = 200_000  # larger backlogs take PgQueuer minutes; --full runs them
     tune: bool = True
@@ -63,6 +63,7 @@ class Config:
         default_factory=lambda: [
             {"concurrency": 200, "pool_size": 4},
             {"concurrency": 500, "pool_size": 6},
+            {"concurrency": 500, "pool_size": 6, "prefetch": 1500},
             {"concurrency": 1000, "pool_size": 8},
         ]
     )
@@ -109,15 +110,15 @@ class Config:
     ordering_size: int = 50_000
     ordering_keys: int = 10_000
     ordering_one_key: int = 20_000
-    ordering_rounds: int = 3
+    ordering_rounds: int = 5
     blocked_backlog: int = 1_000_000
     blocked_others: int = 20_000
     blocked_keys: int = 4_000
-    blocked_rounds: int = 3
+    blocked_rounds: int = 5
     # isolation (issue 16): a backlog of a topic nobody consumes
     isolation_backlog: int = 1_000_000
     isolation_size: int = 20_000
-    isolation_rounds: int = 3
+    isolation_rounds: int = 5
     isolation_topics: int = 50
     isolation_per_topic: int = 10
     isolation_topic_rounds: int = 5
@@ -192,7 +193,7 @@ class Config:
     @classmethod
     def full(cls) -> Config:
         config = cls(pgqueuer_max_drain=10**9)
-        config.drain_rounds = {50_000: 3, 200_000: 3, 1_000_000: 2}
+        config.drain_rounds = {50_000: 7, 200_000: 3, 1_000_000: 2}
         return config
 
 
