@@ -491,7 +491,9 @@ async def test_backends_terminated_repeatedly(dsn: str, db: asyncpg.Connection) 
 # -- network cut and network stall --------------------------------------------------------
 
 
-async def test_a_release_cancelled_during_a_stall_leaves_no_unread_error(dsn: str) -> None:
+async def test_a_release_cancelled_during_a_stall_leaves_no_unread_error(
+    private_dsn: str,
+) -> None:
     """The watchdog's deadline or a stop may cancel a release whose reset is stalled.
 
     asyncpg's release runs shielded and, once its caller is cancelled, nobody reads its
@@ -505,8 +507,9 @@ async def test_a_release_cancelled_during_a_stall_leaves_no_unread_error(dsn: st
     previous = loop.get_exception_handler()
     loop.set_exception_handler(lambda _loop, context: errors.append(context))
     try:
-        with TCPProxy.for_dsn(dsn) as proxy:
-            async with asyncpg.create_pool(proxy.proxied(dsn), min_size=1, max_size=1) as pool:
+        with TCPProxy.for_dsn(private_dsn) as proxy:
+            via_proxy = proxy.proxied(private_dsn)
+            async with asyncpg.create_pool(via_proxy, min_size=1, max_size=1) as pool:
 
                 async def use_then_release() -> None:
                     async with pooled(pool, 0.3) as conn:
