@@ -102,7 +102,8 @@ class Settler:
 
     @property
     def backlog(self) -> int:
-        return self._pending.size
+        """Outcomes not yet written: waiting for a flush, or in the write under way."""
+        return self._pending.size + self._writing.size
 
     def unsettled_ids(self) -> list[int]:
         """Rows whose outcome is recorded here but not yet written (still processing)."""

@@ -12,7 +12,7 @@ import re
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
@@ -101,6 +101,39 @@ async def test_a_refused_value_is_written_apart_with_a_placeholder(pool: asyncpg
     assert [rows[i]["last_error"] for i in ids[:4]] == [f"fine {i}" for i in ids[:4]]
     assert "could not be stored" in rows[ids[4]]["last_error"]
     assert settler.abandoned == 0
+
+
+async def test_the_settle_backlog_counts_the_write_under_way(pool: asyncpg.Pool) -> None:
+    """The dispatcher stops claiming on `backlog`: outcomes in a write that is under way
+    are not written yet either, so a crash may still repeat their events (the relay's
+    duplicate bound, docs/relay.md, counts on it)."""
+    ids = [
+        i
+        for i in await aiooutbox.enqueue_many(pool, [aiooutbox.NewEvent("t", i) for i in range(3)])
+        if i is not None
+    ]
+    q = queries()
+    await pool.fetch(q.claim, "w", 30.0, ["t"], 10, 1 << 30, 0, 0)
+    settler = Settler(pool, q, "w", flush_interval=0.001, flush_size=100, statement_timeout=5)
+    async with pool.acquire() as blocker, blocker.transaction():
+        # the settlement's UPDATE waits for this row lock: the write stays under way
+        await blocker.execute("SELECT 1 FROM outbox_events WHERE id = $1 FOR UPDATE", ids[0])
+        for i in ids:
+            settler.done(i, 1)
+        flushing = asyncio.ensure_future(settler.close(timeout=10))
+        waiting = (
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE wait_event_type = 'Lock' AND datname = current_database()"
+        )
+        await wait_until(lambda: truthy_value(pool.fetchval(waiting)), 10)
+        assert settler.backlog == 3  # all three are in the write the lock holds up
+    await flushing
+    assert settler.backlog == 0
+    assert await status_counts(pool) == {"done": 3}
+
+
+async def truthy_value(value: Awaitable[object]) -> bool:
+    return bool(await value)
 
 
 # -- 2. odd times stored by a raw SQL producer never stop a consumer ------------------------
