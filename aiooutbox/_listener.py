@@ -117,9 +117,13 @@ class Listener:
                 conn = await self._connect()
                 conn.add_termination_listener(lambda _c, lost=lost: lost.set())
                 await conn.add_listener(self._channel, self._notified)
-            except TRANSIENT_ERRORS as exc:
+            except BaseException as exc:
+                # also when cancelled between the connect and the LISTEN (a stop at
+                # start-up): the connection is ours to close, nobody else has it
                 if conn is not None:
                     conn.terminate()
+                if not isinstance(exc, TRANSIENT_ERRORS):
+                    raise
                 if not started:
                     check_permanent(exc, "the listener's LISTEN")  # e.g. a read-only standby
                     raise

@@ -21,6 +21,7 @@ import pytest
 import aiooutbox
 from aiooutbox._claimwindow import ClaimWindow
 from aiooutbox._db import PermanentDatabaseError
+from aiooutbox._listener import Listener
 from aiooutbox._rows import Outcome, Settlement
 from aiooutbox._settler import Settler
 from aiooutbox._sql import queries
@@ -130,6 +131,31 @@ async def test_the_settle_backlog_counts_the_write_under_way(pool: asyncpg.Pool)
     await flushing
     assert settler.backlog == 0
     assert await status_counts(pool) == {"done": 3}
+
+
+async def test_a_listener_cancelled_between_connect_and_listen_closes_its_connection(
+    pool: asyncpg.Pool,
+) -> None:
+    """A stop at start-up may land after the listener connected and before its LISTEN
+    returned: the connection was left open for the garbage collector (a ResourceWarning
+    in a later test, once in CI)."""
+    opened: list[asyncpg.Connection] = []
+
+    class CancelledAfterConnect(Listener):
+        async def _connect(self) -> asyncpg.Connection:
+            conn = await super()._connect()
+            opened.append(conn)
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()  # delivered at the next await: the LISTEN
+            return conn
+
+    listener = CancelledAfterConnect(
+        pool, queries().channel, None, lambda: None, dsn=None, keepalive=60, timeout=5
+    )
+    with pytest.raises(asyncio.CancelledError):
+        await listener.run()
+    assert len(opened) == 1 and opened[0].is_closed()
 
 
 async def truthy_value(value: Awaitable[object]) -> bool:
