@@ -159,11 +159,7 @@ class Dispatcher:
                     want = min(want, o.batch_size)
             else:
                 want = min(o.concurrency - s.in_flight, o.claim_size)
-            # outcomes not yet written: at most four claims' worth. It was four times
-            # `concurrency` before prefetch; at the defaults a claim now holds 512 rows,
-            # so that bound (256) paused the claims after every one of them (a 50k
-            # drain at the defaults: 24.9k/s against 30.0k/s with this bound)
-            if self._settler.backlog > 4 * (o.concurrency + o.ahead):
+            if self._settler.backlog > o.max_unwritten:
                 await _wait_for(self._settler.wait_flushed(), o.poll_interval)
                 continue
             if want <= 0 or (full and want < refill):

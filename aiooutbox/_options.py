@@ -151,6 +151,14 @@ class ConsumerOptions:
         return max(0, PREFETCH_TO - self.concurrency)
 
     @property
+    def max_unwritten(self) -> int:
+        """Outcomes not yet written past which the consumer stops claiming: four claims'
+        worth. Four times `concurrency` paused the claims after every claim once a
+        consumer at the defaults held 512 rows (a 50k drain at the defaults: 24.9k/s
+        against 30.0k/s with this bound)."""
+        return 4 * (self.concurrency + self.ahead)
+
+    @property
     def dense_claim_size(self) -> int:
         """The most rows one claim takes while claiming ahead (an explicit
         ``batch_size`` still caps it)."""

@@ -14,7 +14,7 @@ import nats
 import pytest
 import redis.asyncio as aioredis
 
-from aiooutbox._options import PREFETCH_TO
+from aiooutbox._options import ConsumerOptions
 from aiooutbox.relay import KafkaSink, NatsSink, RabbitMQSink, Sink
 from tests.conftest import TEMPLATE, _drop, _new_database, with_database
 from tests.relay.brokers import (
@@ -44,13 +44,12 @@ from tests.relay.common import (
 pytestmark = pytest.mark.slow
 
 TOTAL = 20_000
-#: the relay processes' --concurrency (tests.relay.common.kill_midway)
-CONCURRENCY = 256
+#: the relay processes' options (--concurrency 256, tests.relay.common.kill_midway)
+RELAY = ConsumerOptions(concurrency=256)
 #: what a SIGKILL can leave published but not yet settled, so what may be published
 #: twice: the rows the relay holds (its handlers' and the prefetched ones) plus the
-#: outcomes not yet written, which may reach four claims' worth before the consumer
-#: stops claiming (docs/relay.md); at --concurrency 256, 5 x 512
-REPEATABLE = 5 * (CONCURRENCY + max(0, PREFETCH_TO - CONCURRENCY))
+#: outcomes not yet written, up to the bound where it stops claiming (docs/relay.md)
+REPEATABLE = RELAY.concurrency + RELAY.ahead + RELAY.max_unwritten
 
 
 @pytest.fixture(scope="module")
