@@ -6,8 +6,9 @@ with it; an `OutboxConsumer` claims events in batches, runs async handlers and
 settles each row as done, retry or dead.
 """
 
+__version__ = "0.1.0.dev0"  # first, so modules may read it while the package loads
+
 from . import sync
-from ._version import __version__
 from .consumer import ConsumerStats, OutboxConsumer
 from .errors import Dead, InvalidArgument, OutboxError, Retry, SchemaNotReady, SchemaTooNew
 from .events import Event, NewEvent

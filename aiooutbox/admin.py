@@ -27,10 +27,7 @@ from typing import Any
 
 import asyncpg
 
-from ._admin_sql import admin_queries
-from ._codec import decode_json
-from ._limits import check_count, check_seconds
-from ._reports import (
+from ._admin.records import (
     STATUSES,
     BlockedKey,
     DeadEvent,
@@ -39,8 +36,11 @@ from ._reports import (
     UnconsumedTopic,
     WorkerStats,
 )
-from ._sql import DEFAULT_SCHEMA, DEFAULT_TABLE, queries
-from ._watchdog import inspect_mvcc
+from ._engine.watchdog import inspect_mvcc
+from ._sql.admin import admin_queries
+from ._sql.statements import DEFAULT_SCHEMA, DEFAULT_TABLE, queries
+from ._values.codec import decode_json
+from ._values.limits import check_count, check_seconds
 from .errors import InvalidArgument
 
 __all__ = [

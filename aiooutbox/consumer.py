@@ -1,10 +1,10 @@
 """`OutboxConsumer`: the public façade that wires the consumer's parts together.
 
-The parts of one run are wired by `_engine`: the claim loop is `_dispatcher`, running
-one handler is `_executor`, writing outcomes is `_settler`, what this consumer holds is
-`_leases`, heartbeats, recovery and retention are `_maintenance`, and the options are
-validated once in `_options`. Every task is owned by `run()`, which returns after
-`stop()` once in-flight work is settled.
+The parts of one run live in `_engine/` and are wired by `_engine.engine`: the claim
+loop is `dispatcher`, running one handler is `executor`, writing outcomes is `settler`,
+what this consumer holds is `leases`, heartbeats, recovery and retention are
+`maintenance`, and the options are validated once in `options`. Every task is owned
+by `run()`, which returns after `stop()` once in-flight work is settled.
 """
 
 from __future__ import annotations
@@ -18,17 +18,17 @@ import anyio
 import asyncpg
 from anyio.abc import TaskStatus
 
-from ._codec import Decoder
-from ._db import PermanentDatabaseError
-from ._dispatcher import Signals
-from ._engine import Engine
-from ._executor import ConsumerStats
-from ._leases import Leases
-from ._listener import Listener
-from ._options import DEFAULT_MAX_CLAIM_BYTES, ConsumerOptions
-from ._settler import Settler
-from ._sql import DEFAULT_SCHEMA, DEFAULT_TABLE
-from ._watchdog import MvccReport
+from ._engine.dispatcher import Signals
+from ._engine.engine import Engine
+from ._engine.leases import Leases
+from ._engine.listener import Listener
+from ._engine.options import DEFAULT_MAX_CLAIM_BYTES, ConsumerOptions
+from ._engine.rows import ConsumerStats
+from ._engine.settler import Settler
+from ._engine.watchdog import MvccReport
+from ._sql.db import PermanentDatabaseError
+from ._sql.statements import DEFAULT_SCHEMA, DEFAULT_TABLE
+from ._values.codec import Decoder
 from .errors import InvalidArgument
 from .handlers import ALL_TOPICS, Handler, HandlerFunc, resolve_handlers
 from .migrations import check_schema
@@ -106,7 +106,7 @@ class OutboxConsumer:
       often and reconnects (claiming at once) if it does not come back; ``None``
       keeps only a keep-alive query, which misses a link that answers but is deaf.
     - ``watchdog_interval=60.0``, ``horizon_warning=300.0``,
-      ``dead_tuples_warning=1_000_000``: the MVCC watchdog (`aiooutbox._watchdog`)
+      ``dead_tuples_warning=1_000_000``: the MVCC watchdog (`aiooutbox._engine.watchdog`)
       warns about a transaction, prepared transaction or replication slot pinning the
       xmin horizon longer than ``horizon_warning`` seconds, and about the outbox
       table's dead tuples; ``watchdog_interval=None`` turns it off. Its last reading
@@ -240,6 +240,11 @@ class OutboxConsumer:
     @property
     def running(self) -> bool:
         return self._state == "running"
+
+    @property
+    def pool(self) -> asyncpg.Pool:
+        """The pool this consumer claims and settles through."""
+        return self._pool
 
     @property
     def _listener(self) -> Listener | None:

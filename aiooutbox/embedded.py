@@ -23,7 +23,7 @@ from urllib.parse import urlsplit, urlunsplit
 import anyio
 import asyncpg
 
-from ._admin_sql import AdminQueries, admin_queries
+from ._sql.admin import AdminQueries, admin_queries
 from .errors import OutboxError
 
 __all__ = [

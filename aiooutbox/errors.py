@@ -15,15 +15,9 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from ._values.limits import InvalidArgument, OutboxError, check_seconds
+
 __all__ = ["Dead", "InvalidArgument", "OutboxError", "Retry", "SchemaNotReady", "SchemaTooNew"]
-
-
-class OutboxError(Exception):
-    """Base class for errors raised by aiooutbox itself."""
-
-
-class InvalidArgument(OutboxError, ValueError):
-    """A value passed to aiooutbox is out of range or malformed; nothing was written."""
 
 
 class SchemaNotReady(OutboxError):
@@ -42,8 +36,6 @@ class Retry(Exception):
     """
 
     def __init__(self, delay: float | timedelta = 0.0, reason: str = "retry requested") -> None:
-        from ._limits import check_seconds  # _limits imports this module
-
         seconds = check_seconds("Retry(delay=...)", delay)
         super().__init__(reason)
         self.delay = seconds

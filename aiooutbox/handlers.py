@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
-from ._limits import check_seconds, check_topic_name
+from ._values.limits import check_seconds, check_topic_name
 from .errors import InvalidArgument
 from .events import Event
 from .retry import RetryPolicy

@@ -23,16 +23,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
-from ._db import TRANSIENT_ERRORS
+from ._sql.db import TRANSIENT_ERRORS
 from .errors import InvalidArgument
-from .observe import Observer
-
-if TYPE_CHECKING:
-    from .consumer import OutboxConsumer
+from .observe import ObservedConsumer, Observer
 
 __all__ = ["ConsumerHealth", "HealthStatus"]
 
@@ -70,13 +67,13 @@ class ConsumerHealth(Observer):
                 f"max_silence must be a positive number of seconds, not {max_silence!r}"
             )
         self._max_silence = None if max_silence is None else float(max_silence)
-        self._consumer: OutboxConsumer | None = None
+        self._consumer: ObservedConsumer | None = None
         self._last_claim: float | None = None
         self._seen_running: float | None = None
         self._probe: tuple[float, bool, str] | None = None  # (when, answered, error)
 
     # -- Observer ------------------------------------------------------------------
-    def attached(self, consumer: OutboxConsumer) -> None:
+    def attached(self, consumer: ObservedConsumer) -> None:
         if self._consumer is not None and self._consumer is not consumer:
             raise RuntimeError("a ConsumerHealth watches one consumer; make one per consumer")
         self._consumer = consumer
@@ -143,11 +140,11 @@ class ConsumerHealth(Observer):
             False, f"every handler slot busy and the database did not answer: {error}", details
         )
 
-    async def _probe_database(self, consumer: OutboxConsumer) -> tuple[bool, str]:
+    async def _probe_database(self, consumer: ObservedConsumer) -> tuple[bool, str]:
         now = time.monotonic()
         if self._probe is not None and now - self._probe[0] < _PROBE_CACHE:
             return self._probe[1], self._probe[2]
-        pool = consumer._pool  # the consumer's own pool: the one its claims go through
+        pool = consumer.pool  # the consumer's own pool: the one its claims go through
         timeout = consumer.options.statement_timeout
         try:
             with anyio.fail_after(timeout):

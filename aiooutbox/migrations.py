@@ -18,7 +18,7 @@ from pathlib import Path
 
 import asyncpg
 
-from ._sql import DEFAULT_SCHEMA, DEFAULT_TABLE, Queries, queries
+from ._sql.statements import DEFAULT_SCHEMA, DEFAULT_TABLE, Queries, queries
 from .errors import SchemaNotReady, SchemaTooNew
 
 __all__ = ["Migration", "check_schema", "migrate", "migration_sql", "migrations"]

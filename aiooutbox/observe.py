@@ -17,24 +17,51 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+import asyncpg
+
+from ._engine.options import ConsumerOptions
+from ._engine.rows import ConsumerStats
+from ._engine.watchdog import MvccReport
 from .events import Event
 
-if TYPE_CHECKING:
-    from .consumer import OutboxConsumer
-
-__all__ = ["Observer"]
+__all__ = ["ObservedConsumer", "Observer"]
 
 logger = logging.getLogger("aiooutbox.observe")
 
 OUTCOMES = ("done", "retry", "dead", "released")
 
 
+class ObservedConsumer(Protocol):
+    """What an observer reads of the consumer it is attached to; `OutboxConsumer` is one.
+
+    Observers are given the consumer, not the other way round, so this is all the
+    observing side needs to know of it.
+    """
+
+    @property
+    def worker_id(self) -> str: ...
+    @property
+    def options(self) -> ConsumerOptions: ...
+    @property
+    def pool(self) -> asyncpg.Pool: ...
+    @property
+    def stats(self) -> ConsumerStats: ...
+    @property
+    def running(self) -> bool: ...
+    @property
+    def listening(self) -> bool: ...
+    @property
+    def mvcc(self) -> MvccReport | None: ...
+    @property
+    def settle_backlog(self) -> int: ...
+
+
 class Observer:
     """Base class: every hook does nothing. Override the ones you need."""
 
-    def attached(self, consumer: OutboxConsumer) -> None:
+    def attached(self, consumer: ObservedConsumer) -> None:
         """``consumer`` was created with this observer: keep it to read its gauges.
 
         Called once, from ``OutboxConsumer()``; unlike the other hooks, an error raised
@@ -118,7 +145,7 @@ class Observers(Observer):
         self._live = tuple(live)
         self.per_event = bool(live)
 
-    def attached(self, consumer: OutboxConsumer) -> None:
+    def attached(self, consumer: ObservedConsumer) -> None:
         # called once, from OutboxConsumer(): an observer refusing it (misuse) raises there
         for o in self._all:
             o.attached(consumer)

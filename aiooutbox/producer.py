@@ -1,7 +1,7 @@
 """Enqueue events on the caller's connection, so they commit with the caller's work.
 
 This module is the one place that validates events and builds the statement and its
-parameters, whatever the driver; `_adapters` only binds and executes them on asyncpg,
+parameters, whatever the driver; `_sql.drivers` only binds and executes them on asyncpg,
 psycopg, SQLAlchemy or Django connections, and `aiooutbox.sync` is the blocking twin of
 `enqueue`/`enqueue_many`.
 """
@@ -12,9 +12,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from . import _adapters
-from ._codec import Encoder, check_utf8, encode_json
-from ._limits import (
+from ._sql import drivers
+from ._sql.statements import DEFAULT_SCHEMA, DEFAULT_TABLE, Queries, queries
+from ._values.codec import Encoder, check_utf8, encode_json
+from ._values.limits import (
     MAX_ATTEMPTS,
     MAX_ENQUEUE_DELAY_SECONDS,
     MAX_TOPIC_LENGTH,
@@ -22,7 +23,6 @@ from ._limits import (
     check_seconds,
     check_topic_name,
 )
-from ._sql import DEFAULT_SCHEMA, DEFAULT_TABLE, Queries, queries
 from .errors import InvalidArgument
 from .events import NewEvent
 
@@ -320,7 +320,7 @@ async def enqueue(
     validated before anything is sent; ``payload`` and ``headers`` must be
     JSON-serialisable (no NaN or Infinity) unless ``encoder`` says otherwise.
     """
-    execute = _adapters.async_executor(conn)
+    execute = drivers.async_executor(conn)
     q, sql, params = prepare_one(
         topic,
         payload,
@@ -352,7 +352,7 @@ async def enqueue_many(
     notification per distinct topic, however many events. ``conn`` is what `enqueue`
     takes.
     """
-    execute = _adapters.async_executor(conn)
+    execute = drivers.async_executor(conn)
     batch = Batch(events, schema, table, encoder)
     if not batch.rows:
         return []

@@ -6,7 +6,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from ._limits import check_number, check_seconds
+from ._values.limits import check_number, check_seconds
 
 __all__ = ["RetryPolicy"]
 

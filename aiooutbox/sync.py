@@ -15,9 +15,9 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
-from . import _adapters
-from ._codec import Encoder
-from ._sql import DEFAULT_SCHEMA, DEFAULT_TABLE
+from ._sql import drivers
+from ._sql.statements import DEFAULT_SCHEMA, DEFAULT_TABLE
+from ._values.codec import Encoder
 from .events import NewEvent
 from .producer import Batch, one_result, prepare_one
 
@@ -40,7 +40,7 @@ def enqueue(
     encoder: Encoder | None = None,
 ) -> int | None:
     """Insert one event and return its id, or ``None`` if ``dedupe_key`` already exists."""
-    execute = _adapters.sync_executor(conn)
+    execute = drivers.sync_executor(conn)
     q, sql, params = prepare_one(
         topic,
         payload,
@@ -66,7 +66,7 @@ def enqueue_many(
     encoder: Encoder | None = None,
 ) -> list[int | None]:
     """Insert many events in one statement; return one id (or ``None``) per input, in order."""
-    execute = _adapters.sync_executor(conn)
+    execute = drivers.sync_executor(conn)
     batch = Batch(events, schema, table, encoder)
     if not batch.rows:
         return []

@@ -19,6 +19,7 @@ imported only by code that needs it (once, cached), so without it nothing costs.
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -121,9 +122,7 @@ class TracingObserver(Observer):
             provider = self._provider or trace.get_tracer_provider()
             if isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider)):
                 return False
-            from ._version import __version__
-
-            self._tracer = provider.get_tracer("aiooutbox", __version__)
+            self._tracer = provider.get_tracer("aiooutbox", _installed_version())
         textmap = propagate.get_global_textmap()
         if textmap is not self._textmap:
             self._textmap = textmap
@@ -219,3 +218,12 @@ class TracingObserver(Observer):
                 status = self._trace.Status(self._trace.StatusCode.ERROR, type(error).__name__)
                 span.set_status(status)
             span.end()
+
+
+def _installed_version() -> str | None:
+    """This distribution's version, for the tracer's instrumentation scope (None when
+    the package runs from a checkout that was never installed)."""
+    try:
+        return importlib.metadata.version("aiooutbox")
+    except importlib.metadata.PackageNotFoundError:
+        return None

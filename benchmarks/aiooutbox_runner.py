@@ -14,8 +14,8 @@ from typing import Any
 import asyncpg
 
 import aiooutbox
-from aiooutbox._plans import hot_path_plans
-from aiooutbox._sql import queries
+from aiooutbox._sql.plans import hot_path_plans
+from aiooutbox._sql.statements import queries
 
 from .common import TOPIC, recreate_database
 

@@ -10,8 +10,8 @@ import pytest
 
 import aiooutbox
 from aiooutbox import admin
-from aiooutbox._output import age, duration
-from aiooutbox._sql import queries
+from aiooutbox._sql.statements import queries
+from aiooutbox.cli.output import age, duration
 from tests.helpers import status_counts, wait_until
 
 

@@ -11,7 +11,7 @@ import sys
 import asyncpg
 
 import aiooutbox
-from aiooutbox._sql import queries
+from aiooutbox._sql.statements import queries
 from aiooutbox.migrations import migrations as _shipped
 from tests.clirunner import Result, Runner, clean_env, cli
 from tests.conftest import with_database

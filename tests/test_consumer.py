@@ -13,10 +13,10 @@ import asyncpg
 import pytest
 
 import aiooutbox
-from aiooutbox._options import DEFAULT_MAX_CLAIM_BYTES as MAX_CLAIM_BYTES
-from aiooutbox._options import ConsumerOptions
-from aiooutbox._plans import hot_path_plans, nested_plans
-from aiooutbox._sql import queries
+from aiooutbox._engine.options import DEFAULT_MAX_CLAIM_BYTES as MAX_CLAIM_BYTES
+from aiooutbox._engine.options import ConsumerOptions
+from aiooutbox._sql.plans import hot_path_plans, nested_plans
+from aiooutbox._sql.statements import queries
 from aiooutbox.errors import InvalidArgument
 from tests.helpers import all_in, running, status_counts, truthy, wait_until
 

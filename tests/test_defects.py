@@ -19,13 +19,13 @@ import asyncpg
 import pytest
 
 import aiooutbox
-from aiooutbox._claimwindow import ClaimWindow
-from aiooutbox._db import PermanentDatabaseError
-from aiooutbox._listener import Listener
-from aiooutbox._rows import Outcome, Settlement
-from aiooutbox._settler import Settler
-from aiooutbox._sql import queries
-from aiooutbox._text import safe_text
+from aiooutbox._engine.claim_window import ClaimWindow
+from aiooutbox._engine.listener import Listener
+from aiooutbox._engine.rows import Outcome, Settlement
+from aiooutbox._engine.settler import Settler
+from aiooutbox._sql.db import PermanentDatabaseError
+from aiooutbox._sql.statements import queries
+from aiooutbox._values.text import safe_text
 from tests.faults.private_pg import PrivatePostgres, private_postgres
 from tests.helpers import all_in, running, status_counts, truthy, wait_until
 
@@ -322,7 +322,7 @@ def test_claim_window_shrinks_then_grows_back() -> None:
 
 
 def test_lingering_only_while_traffic_is_dense() -> None:
-    from aiooutbox._claimwindow import Arrivals
+    from aiooutbox._engine.claim_window import Arrivals
 
     arrivals = Arrivals()
     assert not arrivals.dense(0.0)

@@ -500,7 +500,7 @@ async def test_a_release_cancelled_during_a_stall_leaves_no_unread_error(
     TimeoutError (Python 3.11's shield drops the callback): "Task exception was never
     retrieved", once in CI. `pooled` reads it; the connection is closed either way.
     """
-    from aiooutbox._db import pooled
+    from aiooutbox._sql.db import pooled
 
     loop = asyncio.get_running_loop()
     errors: list[dict[str, Any]] = []

@@ -472,8 +472,8 @@ async def test_run_flags_reach_the_consumer_and_bad_values_name_the_flag(dsn: st
     assert bad.rc == 2 and "Traceback" not in bad.err, bad.err
     worse = await cli("run", HANDLERS, "--statement-timeout", "0s", "--dsn", dsn)
     assert worse.rc == 2 and "--statement-timeout" in worse.err, worse.err
-    from aiooutbox._cliconsumer import build_options
     from aiooutbox.cli import build_parser
+    from aiooutbox.cli.consumer_flags import build_options
 
     args = build_parser().parse_args(
         ["run", HANDLERS, "--max-claim-bytes", "1000", "--statement-timeout", "3s",

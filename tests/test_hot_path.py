@@ -13,9 +13,9 @@ import asyncpg
 import pytest
 
 import aiooutbox
-from aiooutbox._plans import nested_plans
-from aiooutbox._rows import ClaimedRow
-from aiooutbox._sql import queries
+from aiooutbox._engine.rows import ClaimedRow
+from aiooutbox._sql.plans import nested_plans
+from aiooutbox._sql.statements import queries
 from aiooutbox.events import Event, build_event
 
 Q = queries()

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 import aiooutbox
-from aiooutbox._sql import queries
+from aiooutbox._sql.statements import queries
 from aiooutbox.health import ConsumerHealth
 from aiooutbox.metrics import MetricsServer, OutboxMetrics
 from tests.clirunner import Runner, clean_env, cli

@@ -12,7 +12,7 @@ import pytest
 
 import aiooutbox
 from aiooutbox import NewEvent, SchemaNotReady, SchemaTooNew
-from aiooutbox._sql import queries
+from aiooutbox._sql.statements import queries
 from aiooutbox.migrations import latest_version, migrations
 from tests.helpers import all_in, running, wait_until
 

@@ -376,8 +376,8 @@ async def test_the_insert_trigger_reads_the_key_index_beside_a_big_key(pool: asy
     """Regression: beside one key with a large backlog the statistics say that key fills
     the table, and the trigger's head check became a sequential scan (150 ms per ordered
     insert beside 1M rows)."""
-    from aiooutbox._plans import nested_plans
-    from aiooutbox._sql import queries
+    from aiooutbox._sql.plans import nested_plans
+    from aiooutbox._sql.statements import queries
 
     for _ in range(4):
         await aiooutbox.enqueue_many(

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncpg
 
 import aiooutbox
-from aiooutbox._plans import nested_plans
-from aiooutbox._sql import queries
+from aiooutbox._sql.plans import nested_plans
+from aiooutbox._sql.statements import queries
 
 Q = queries()
 WORKER = "test-claim"

@@ -385,7 +385,7 @@ async def test_producers_sharing_dedupe_keys_in_different_orders_do_not_deadlock
 
 
 def test_one_statement_definition_renders_for_each_paramstyle() -> None:
-    from aiooutbox._sql import for_paramstyle, queries
+    from aiooutbox._sql.statements import for_paramstyle, queries
 
     q = queries()
     for sql, count in ((q.insert_one, 8), (q.insert_many, 8)):

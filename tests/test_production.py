@@ -30,11 +30,11 @@ import yaml
 
 import aiooutbox
 from aiooutbox import admin
-from aiooutbox._db import PermanentDatabaseError
-from aiooutbox._listener import Listener, is_probe
-from aiooutbox._output import stats_view
-from aiooutbox._sql import queries
+from aiooutbox._engine.listener import Listener, is_probe
+from aiooutbox._sql.db import PermanentDatabaseError
+from aiooutbox._sql.statements import queries
 from aiooutbox.cli import build_parser
+from aiooutbox.cli.output import stats_view
 from tests.conftest import with_database
 from tests.faults.deaf_proxy import DeafProxy
 from tests.faults.private_pg import private_postgres

@@ -14,7 +14,7 @@ import nats
 import pytest
 import redis.asyncio as aioredis
 
-from aiooutbox._options import ConsumerOptions
+from aiooutbox._engine.options import ConsumerOptions
 from aiooutbox.relay import KafkaSink, NatsSink, RabbitMQSink, Sink
 from tests.conftest import TEMPLATE, _drop, _new_database, with_database
 from tests.relay.brokers import (

@@ -19,7 +19,7 @@ import asyncpg
 import pytest
 
 import aiooutbox
-from aiooutbox._sql import queries
+from aiooutbox._sql.statements import queries
 from aiooutbox.migrations import migrations
 from tests.helpers import running, wait_until
 

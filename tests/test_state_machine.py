@@ -4,7 +4,7 @@ Hypothesis interleaves, across three workers: enqueue, claim (one at a time, and
 at once on separate connections), settle done, settle failed (retry, forced dead, release
 at stop), lease heartbeat, lease expiry (``lease_expires_at`` moved into the past, as
 time would), lease recovery, a worker crash (it forgets its claims) and the operator's
-redrive of dead rows. Every statement is the library's own, from `aiooutbox._sql`.
+redrive of dead rows. Every statement is the library's own, from `aiooutbox._sql.statements`.
 
 Each rule checks the exact effect of its statement against the snapshot before it;
 invariants check after every step:
@@ -41,9 +41,9 @@ from hypothesis.stateful import (
 )
 
 import aiooutbox
-from aiooutbox._admin_sql import admin_queries
-from aiooutbox._options import DEFAULT_MAX_CLAIM_BYTES as MAX_CLAIM_BYTES
-from aiooutbox._sql import queries
+from aiooutbox._engine.options import DEFAULT_MAX_CLAIM_BYTES as MAX_CLAIM_BYTES
+from aiooutbox._sql.admin import admin_queries
+from aiooutbox._sql.statements import queries
 from tests.conftest import TEMPLATE, _drop, _new_database, with_database
 
 pytestmark = pytest.mark.slow

@@ -17,8 +17,8 @@ from datetime import UTC, datetime
 import asyncpg
 import pytest
 
-from aiooutbox._plans import nested_plans
-from aiooutbox._sql import queries
+from aiooutbox._sql.plans import nested_plans
+from aiooutbox._sql.statements import queries
 
 Q = queries()
 BACKLOG = 50_000

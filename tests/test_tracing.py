@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 import aiooutbox
-from aiooutbox._logging import JsonFormatter
+from aiooutbox.cli.logsetup import JsonFormatter
 from aiooutbox.observe import Observer
 from aiooutbox.tracing import TracingObserver
 from tests.clirunner import ROOT
@@ -209,7 +209,7 @@ def test_without_opentelemetry_nothing_is_imported_and_tracing_says_what_to_inst
         import logging
         import aiooutbox
         from aiooutbox import producer
-        from aiooutbox._logging import JsonFormatter
+        from aiooutbox.cli.logsetup import JsonFormatter
 
         producer.prepare_one(
             "t", {}, dedupe_key=None, delay=None, available_at=None, max_attempts=None,

@@ -22,7 +22,7 @@ import pytest
 
 import aiooutbox
 from aiooutbox import NewEvent
-from aiooutbox._sql import queries
+from aiooutbox._sql.statements import queries
 
 CHANNEL = queries().channel
 

@@ -24,7 +24,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from .._codec import decode_json
+from .._values.codec import decode_json
 from ._sink import Message, Sink, logger, require
 
 __all__ = ["NatsSink", "NoStreamForSubject"]

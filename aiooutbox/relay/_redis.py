@@ -13,7 +13,7 @@ import json
 from datetime import timedelta
 from typing import Any
 
-from .._limits import check_count
+from .._values.limits import check_count
 from ._sink import (
     DEDUPE_KEY_HEADER,
     EVENT_ID_HEADER,

@@ -8,26 +8,20 @@ import contextlib
 import logging
 from typing import Any
 
-from .._cliconsumer import add_consumer_options, build_options
-from .._cliutil import (
-    DURATION,
-    POSITIVE_INT,
-    CommandError,
-    UsageError,
+from ..cli.args import DURATION, POSITIVE_INT, env_default, redact
+from ..cli.connect import apply_migrations, open_pool, resolve_dsn
+from ..cli.consumer_flags import add_consumer_options, build_options
+from ..cli.errors import CommandError, UsageError
+from ..cli.options import (
     add_command,
     add_database_options,
     add_listen_options,
     add_logging_options,
     add_metrics_options,
-    apply_migrations,
     check_listen_options,
     check_metrics_options,
-    env_default,
-    open_pool,
-    redact,
-    resolve_dsn,
 )
-from .._runner import Telemetry, _settings, _Signals, telemetry
+from ..cli.run import Telemetry, _settings, _Signals, telemetry
 from ..consumer import OutboxConsumer
 from ..errors import InvalidArgument
 from ..handlers import ALL_TOPICS

@@ -28,7 +28,7 @@ from datetime import timedelta
 from types import TracebackType
 from typing import Any, ClassVar
 
-from .._limits import check_seconds
+from .._values.limits import check_seconds
 from ..errors import Dead, InvalidArgument, OutboxError
 from ..events import Event
 

@@ -1,0 +1,166 @@
+"""The records `aiooutbox.admin` returns: what ``stats`` and ``dead list`` report.
+
+Plain frozen data with ``as_dict()`` for ``--json``; no I/O, so `cli.output` renders them
+and tests build them without a database.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from .._engine.watchdog import MvccReport
+
+__all__ = [
+    "STATUSES",
+    "BlockedKey",
+    "DeadEvent",
+    "OutboxStats",
+    "TopicStats",
+    "UnconsumedTopic",
+    "WorkerStats",
+]
+
+STATUSES = ("pending", "retry", "processing", "waiting", "done", "dead")
+
+
+@dataclass(frozen=True)
+class TopicStats:
+    """Rows of one topic by status (every status present), and its lag in seconds.
+
+    ``lag`` is how long the oldest event that could be claimed now has waited for a
+    consumer; ``None`` when nothing is waiting.
+    """
+
+    topic: str
+    counts: dict[str, int]
+    lag: float | None
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """Rows one consumer holds, and the age in seconds of its oldest claim."""
+
+    worker: str
+    rows: int
+    oldest_claim_age: float
+
+
+@dataclass(frozen=True)
+class UnconsumedTopic:
+    """A topic whose events wait while no consumer seems to handle it.
+
+    No row of it is being processed and no idle consumer advertises it: either no
+    running consumer has a handler for it, or they are all too busy to claim it.
+    """
+
+    topic: str
+    waiting: int
+    lag: float
+
+
+@dataclass(frozen=True)
+class BlockedKey:
+    """An ordered key whose head cannot run now, with how many events wait behind it.
+
+    ``status`` is ``retry`` (the head keeps failing; ``available_at`` is its next try)
+    or ``dead`` (a handler with ``on_dead="block"``: retry or purge it to move on).
+    """
+
+    ordering_key: str
+    head_id: int
+    topic: str
+    status: str
+    attempts: int
+    available_at: datetime
+    last_error: str | None
+    waiting: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "ordering_key": self.ordering_key,
+            "head_id": self.head_id,
+            "topic": self.topic,
+            "status": self.status,
+            "attempts": self.attempts,
+            "available_at": self.available_at.isoformat(),
+            "last_error": self.last_error,
+            "waiting": self.waiting,
+        }
+
+
+@dataclass(frozen=True)
+class OutboxStats:
+    """A snapshot of one outbox table, as ``python -m aiooutbox stats`` shows it."""
+
+    outbox: str
+    topics: list[TopicStats] = field(default_factory=list)
+    in_flight: list[WorkerStats] = field(default_factory=list)
+    unconsumed: list[UnconsumedTopic] = field(default_factory=list)
+    # the xmin horizon's holders and the table's dead tuples (the MVCC watchdog's view)
+    mvcc: MvccReport | None = None
+    blocked_keys: list[BlockedKey] = field(default_factory=list)
+
+    @property
+    def totals(self) -> dict[str, int]:
+        """Rows by status over all topics."""
+        return {s: sum(t.counts[s] for t in self.topics) for s in STATUSES}
+
+    @property
+    def lag(self) -> float | None:
+        """The largest lag of any topic, or ``None`` when nothing is waiting."""
+        lags = [t.lag for t in self.topics if t.lag is not None]
+        return max(lags) if lags else None
+
+    @property
+    def dead(self) -> int:
+        return self.totals["dead"]
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data."""
+        return {
+            "outbox": self.outbox,
+            "totals": self.totals,
+            "lag_seconds": self.lag,
+            "dead": self.dead,
+            "topics": {t.topic: {**t.counts, "lag_seconds": t.lag} for t in self.topics},
+            "in_flight": [
+                {"worker": w.worker, "rows": w.rows, "oldest_claim_age_seconds": w.oldest_claim_age}
+                for w in self.in_flight
+            ],
+            "unconsumed": [
+                {"topic": u.topic, "waiting": u.waiting, "lag_seconds": u.lag}
+                for u in self.unconsumed
+            ],
+            "mvcc": None if self.mvcc is None else self.mvcc.as_dict(),
+            "blocked_keys": [b.as_dict() for b in self.blocked_keys],
+        }
+
+
+@dataclass(frozen=True)
+class DeadEvent:
+    """An event in ``dead``, with the error of its last attempt."""
+
+    id: int
+    topic: str
+    dedupe_key: str | None
+    attempts: int
+    max_attempts: int
+    last_error: str | None
+    created_at: datetime
+    finished_at: datetime | None
+    payload: Any
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "topic": self.topic,
+            "dedupe_key": self.dedupe_key,
+            "attempts": self.attempts,
+            "max_attempts": self.max_attempts,
+            "last_error": self.last_error,
+            "created_at": self.created_at.isoformat(),
+            "finished_at": self.finished_at.isoformat() if self.finished_at else None,
+            "payload": self.payload,
+        }

@@ -1,0 +1,381 @@
+"""The claim loop: claim rows sized to the free handler slots, hand them to workers.
+
+`ClaimWindow` is the pure part (no I/O, unit-tested): where the next claim starts
+(the watermark), when a full claim from the oldest entry is due, and how many rows to
+ask for after a claim timed out. `Dispatcher` is the loop around it: linger after an
+empty claim, advertise idleness, wait for a notification or the fallback poll.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import asyncpg
+
+from .._sql.db import TRANSIENT_ERRORS, bounded, check_permanent, pool_is_closed, pooled
+from ..errors import OutboxError
+from ..observe import Observers
+from .claim_window import Arrivals, ClaimWindow
+from .handoff import Handoff
+from .leases import Leases
+from .listener import Listener
+from .options import ConsumerOptions
+from .rows import ClaimedRow, ConsumerStats
+from .settler import Settler
+
+__all__ = ["Dispatcher", "Signals"]
+
+logger = logging.getLogger("aiooutbox.consumer")
+
+# After an empty claim, look again after these pauses before declaring idle, so that
+# under steady load a consumer never waits on NOTIFY (and producers never pay for it).
+_LINGER = (0.002, 0.004, 0.008, 0.016, 0.032)
+# an idle consumer that sees another transaction holding the table's write lock looks
+# again after the first pause, doubling up to the second (see `_idle_timeout`)
+_RECHECK = (0.01, 1.0)
+# rows claimed ahead of the free workers: about this many seconds of work at the
+# recent rate (at most `prefetch`)
+_AHEAD_FOR = 0.1
+# the most events of one ordered key a claim takes behind its head (and never more than
+# the claim asks for): one key's drain is a claim, a run and a settlement per run, so
+# longer runs pay those fewer times (20k events of one key: 7-9k/s with 256, 9-11k/s
+# with 1,024 at want 512; docs/benchmarks.md, "Migration 0008")
+_MAX_RUN = 1024
+# the run rows a claim may take in all, per head asked for (docs/benchmarks.md, "Ordered
+# delivery and topic isolation": larger budgets made claims so big that work came out
+# in bursts)
+_RUN_ROWS_PER_HEAD = 2
+
+
+def runs_of(rows: list[ClaimedRow]) -> list[list[ClaimedRow]]:
+    """Claimed rows as units of work: an unordered row alone, an ordered key's head
+    followed by the waiting events claimed behind it, in id order."""
+    runs: list[list[ClaimedRow]] = []
+    keyed: dict[str, list[ClaimedRow]] = {}
+    for row in rows:
+        if (key := row.ordering_key) is None:
+            runs.append([row])
+        elif key in keyed:
+            keyed[key].append(row)
+        else:
+            keyed[key] = [row]
+    for members in keyed.values():
+        members.sort(key=lambda r: (not r.is_head, r.id))
+        runs.append(members)
+    return runs
+
+
+class Signals:
+    """Events shared by the consumer's parts; one primitive, `anyio.Event`, re-armed."""
+
+    def __init__(self) -> None:
+        self.wake = anyio.Event()  # a notification, a recovery, a stop, a retry written
+        self.slot_freed = anyio.Event()  # a handler finished
+        self.stop = anyio.Event()
+
+    def set_wake(self) -> None:
+        self.wake.set()
+
+    def retry_written(self, _due_in: float) -> None:
+        """A retry was written: an UPDATE notifies no one, so look again (the idle wait
+        is then cut to when it becomes due)."""
+        self.wake.set()
+
+    def set_slot_freed(self) -> None:
+        self.slot_freed.set()
+
+    def clear_wake(self) -> None:
+        if self.wake.is_set():
+            self.wake = anyio.Event()
+
+    def clear_slot_freed(self) -> None:
+        if self.slot_freed.is_set():
+            self.slot_freed = anyio.Event()
+
+
+class Dispatcher:
+    """Claims for free slots until stopped; hands each row to the workers."""
+
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        options: ConsumerOptions,
+        *,
+        topics: list[str] | None,
+        stats: ConsumerStats,
+        leases: Leases,
+        settler: Settler,
+        signals: Signals,
+        listener: Listener | None,
+        is_stopping: Callable[[], bool],
+        observers: Observers,
+    ) -> None:
+        self._pool = pool
+        self._observers = observers
+        self._o = options
+        self._q = options.queries
+        self._topics = topics  # None: every topic
+        self._stats = stats
+        self._leases = leases
+        self._settler = settler
+        self._signals = signals
+        self._listener = listener
+        self._is_stopping = is_stopping
+        self.window = ClaimWindow(options.dense_claim_size)
+        self._arrivals = Arrivals()
+        self._recheck = _RECHECK[0]  # the next look while a writer's transaction is open
+        # a claim failed (its reply may have been lost), or we just started (a consumer
+        # restarted under a fixed worker_id may have left rows behind)
+        self._reconcile = True
+
+    @property
+    def _listening(self) -> bool:
+        return self._listener is not None and self._listener.connected
+
+    async def run(self, handoff: Handoff[list[ClaimedRow]]) -> None:
+        o, s, signals = self._o, self._stats, self._signals
+        backoff = 0.05
+        linger = 0
+        idle = False
+        advertised_on = -1  # the listener connection (reconnect count) idle was declared on
+        advertised_at = -math.inf  # when the idle advertisement was last written
+        full = False
+        refill = max(1, o.claim_size // 4)
+        while not self._is_stopping():
+            # claim ahead of the free workers (`prefetch`), as many rows as the recent
+            # rate gets through in _AHEAD_FOR: the next claim's round trip then overlaps
+            # the handlers instead of idling them, and no row waits long for a worker
+            ahead = min(o.ahead, int(self._arrivals.rate(time.monotonic()) * _AHEAD_FOR))
+            if ahead:
+                want = min(o.concurrency + ahead - s.in_flight, o.claim_size + ahead)
+                if o.batch_size is not None:
+                    want = min(want, o.batch_size)
+            else:
+                want = min(o.concurrency - s.in_flight, o.claim_size)
+            if self._settler.backlog > o.max_unwritten:
+                await _wait_for(self._settler.wait_flushed(), o.poll_interval)
+                continue
+            if want <= 0 or (full and want < refill):
+                # a backlog is waiting: claim again as soon as enough slots free
+                signals.clear_slot_freed()
+                await signals.slot_freed.wait()
+                continue
+            signals.clear_wake()
+            try:
+                if self._reconcile:
+                    await self.take_back_orphans("whose claim reply was lost")
+                rows = await self._claim(want, handoff)
+            except TRANSIENT_ERRORS as exc:
+                if pool_is_closed(self._pool):
+                    raise OutboxError(
+                        "the asyncpg pool was closed under a running consumer"
+                    ) from exc
+                check_permanent(exc, "claiming events")
+                self._reconcile = True
+                self._claim_failed(exc, want, backoff)
+                await _wait_for(signals.stop.wait(), backoff * (0.5 + random.random()))
+                backoff = min(backoff * 2, 5.0)
+                continue
+            backoff = 0.05
+            # the handlers started first (in `_claim`): the advert only gates NOTIFY, and
+            # a stale one for a round trip costs at most one extra notification
+            if rows and idle and self._arrivals.dense(time.monotonic()):
+                # dense traffic: spare producers NOTIFY. While it is sparse the
+                # advertisement stays, saving two round trips per wake-up, and an
+                # event that commits meanwhile wakes us instead of waiting a linger.
+                idle = False
+                await self._declare(busy=True)
+            # full: the heads (runs ride along beyond them) took every row asked for
+            full = sum(r.is_head for r in rows) >= min(want, self.window.size)
+            if full:
+                linger = 0
+                continue
+            if rows:
+                linger = 0
+            if linger < len(_LINGER) and self._arrivals.dense(time.monotonic()):
+                await _wait_for(signals.wake.wait(), _LINGER[linger])
+                linger += 1
+                continue
+            listener = self._listener
+            if idle and listener is not None and listener.reconnects != advertised_on:
+                # the listener reconnected: after a server crash the unlogged idle table
+                # is empty, so producers would notify nobody until we advertise again
+                idle = False
+            # leaving the fast path: the next claim starts from the oldest entry, so a row
+            # the watermark hid is never left waiting for a poll
+            self.window.force_full()
+            if o.listen and not idle and self._listening:
+                # advertise, then look once more: an insert that committed before the
+                # advertisement saw no idle consumer and sent no notification
+                idle = await self._declare(busy=False)
+                if idle:
+                    advertised_on = listener.reconnects if listener is not None else -1
+                    advertised_at = time.monotonic()
+                    continue
+            elif idle and time.monotonic() - advertised_at > o.poll_interval / 2:
+                # refresh it well before it expires (it lives 2 x poll_interval + 5 s)
+                idle = await self._declare(busy=False)
+                advertised_at = time.monotonic()
+            await _wait_for(signals.wake.wait(), await self._idle_timeout(idle))
+
+    def _claim_failed(self, exc: BaseException, want: int, backoff: float) -> None:
+        if isinstance(exc, (TimeoutError, asyncpg.QueryCanceledError)):
+            before = min(want, self.window.size)
+            after = self.window.timed_out()
+            logger.warning(
+                "claim of up to %d row(s) got no answer within statement_timeout (%.1fs); "
+                "claiming at most %d next (large payloads or a slow server: raise "
+                "statement_timeout or lower max_claim_bytes); retrying in %.2fs",
+                before,
+                self._o.statement_timeout,
+                after,
+                backoff,
+                extra={"claim_size": after},
+            )
+            return
+        logger.warning("claim failed (%s: %s); retrying in %.2fs", type(exc).__name__, exc, backoff)
+
+    async def _claim(self, want: int, handoff: Handoff[list[ClaimedRow]]) -> list[ClaimedRow]:
+        """Claim up to ``want`` rows and hand them to the workers; return them."""
+        window = self.window
+        started = time.monotonic()
+        full = window.next_is_full(started)
+        want = min(want, window.size)
+        args: tuple[Any, ...] = (
+            self._o.worker_id,
+            self._o.lease_timeout,
+            self._topics,
+            want,
+            self._o.max_claim_bytes,
+            # an ordered key's events behind its head, run in order by one worker
+            min(want, _MAX_RUN),
+            # every run together: twice as many rows as heads (a run occupies one
+            # worker, so runs add rows to a claim, not concurrency)
+            _RUN_ROWS_PER_HEAD * want,
+        )
+        sql = self._q.claim
+        if not full:
+            assert window.watermark is not None
+            sql = self._q.claim_after
+            args += window.watermark
+        # shielded: a claim the server committed is always read and handed out, so a
+        # fast stop during a claim releases its rows instead of stranding them for a
+        # lease (the wait is bounded by the acquire and statement timeouts)
+        with anyio.CancelScope(shield=True):
+            async with pooled(self._pool, self._o.statement_timeout) as conn:
+                records = await conn.fetch(sql, *args, timeout=self._o.statement_timeout)
+                rows = [ClaimedRow.from_record(r) for r in records]
+                ended = time.monotonic()
+                if self._observers:  # first: they say here whether they want these events
+                    self._observers.claimed(len(rows), ended - started)
+                # before the release: returning a connection to the pool resets it, a
+                # round trip the handlers need not wait for
+                if rows:
+                    self._hand_out(rows, handoff)
+        self._stats.claims += 1
+        window.claimed([r.available_at for r in rows], full=full, started=started, ended=ended)
+        return rows
+
+    async def take_back_orphans(self, why: str) -> None:
+        """Release rows that carry our worker id but that we do not hold.
+
+        A claim whose reply was lost (a dropped connection, a timeout after the commit)
+        leaves its rows ``processing`` under our id; without this they would wait for
+        their lease to expire. Fenced by ``locked_by``: rows another consumer holds are
+        never touched. Runs between claims (no claim of ours is in flight), and once
+        more when the consumer stops; rows we hold or whose outcome waits in the
+        settler are excluded.
+        """
+        released = await bounded(
+            self._pool,
+            "fetch",
+            self._q.release_orphans,
+            self._o.worker_id,
+            # held, or settled here but not yet written: neither is an orphan
+            self._leases.ids() + self._settler.unsettled_ids(),
+            timeout=self._o.statement_timeout,
+        )
+        self._reconcile = False
+        if released:
+            logger.warning(
+                "released %d event(s) claimed by this consumer %s",
+                len(released),
+                why,
+                extra={"event_ids": [r[0] for r in released][:1000]},
+            )
+
+    def _hand_out(self, rows: list[ClaimedRow], handoff: Handoff[list[ClaimedRow]]) -> None:
+        now = time.monotonic()
+        self._arrivals.add(now, len(rows))
+        self._stats.claimed += len(rows)
+        self._stats.in_flight += len(rows)
+        self._leases.hold_all(rows, now)
+        for run in runs_of(rows):
+            handoff.put(run)
+
+    async def _idle_timeout(self, advertised: bool) -> float:
+        """Jittered poll interval, shortened to when the next delayed event becomes due,
+        and while a transaction that may hold an un-notified insert is still open."""
+        timeout = self._o.poll_interval * random.uniform(0.8, 1.2)
+        try:
+            args: tuple[Any, ...] = () if self._topics is None else (self._topics,)
+            sql = self._q.idle_probe_any if self._topics is None else self._q.idle_probe
+            probe = await bounded(
+                self._pool, "fetchrow", sql, *args, timeout=self._o.statement_timeout
+            )
+        except TRANSIENT_ERRORS as exc:
+            check_permanent(exc, "looking for delayed events")
+            return timeout
+        due: float | None = probe["due"]
+        if due is not None:
+            timeout = min(timeout, max(due, 0.0) + 0.001)
+        # The wake-up trigger looks for idle consumers when the INSERT runs, not at its
+        # COMMIT: a producer that inserted before we were advertised and commits after
+        # our last claim notifies nobody. Its transaction holds the table's write lock
+        # until then, so while such a lock is held, look again soon.
+        if advertised and probe["writers"]:
+            timeout = min(timeout, self._recheck)
+            self._recheck = min(self._recheck * 2, _RECHECK[1])
+        else:
+            self._recheck = _RECHECK[0]
+        return timeout
+
+    async def _declare(self, *, busy: bool) -> bool:
+        """Advertise this consumer as idle (or withdraw it); return whether it is idle."""
+        try:
+            await declare(self._pool, self._o, self._topics, busy=busy)
+        except TRANSIENT_ERRORS as exc:
+            check_permanent(exc, "advertising idleness")
+            logger.debug("idle advertisement failed: %s", exc)
+            return busy
+        return not busy
+
+
+async def declare(
+    pool: asyncpg.Pool, o: ConsumerOptions, topics: list[str] | None, *, busy: bool
+) -> None:
+    """Write (or delete) this consumer's row in the idle table; ``None`` topics = all."""
+    q = o.queries
+    if busy:
+        await bounded(pool, "execute", q.declare_busy, o.worker_id, timeout=o.statement_timeout)
+        return
+    await bounded(
+        pool,
+        "execute",
+        q.declare_idle,
+        o.worker_id,
+        topics if topics is not None else ["*"],
+        o.poll_interval * 2 + 5.0,
+        timeout=o.statement_timeout,
+    )
+
+
+async def _wait_for(awaitable: Awaitable[Any], timeout: float) -> None:
+    with anyio.move_on_after(timeout):
+        await awaitable

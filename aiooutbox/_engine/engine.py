@@ -1,0 +1,243 @@
+"""One `run()` of a consumer: its parts built, run, and shut down in order.
+
+`OutboxConsumer` (the façade) owns the lifecycle and the stop requests; the `Engine`
+wires the listener, settler, maintenance, watchdog, executor and dispatcher of one
+run, runs ``concurrency`` workers on the hand-off, and on the way out drains running
+handlers, releases runs nobody took, flushes the settler and takes back what is still
+claimed under this consumer's id. Collaborators are passed in, so it imports nothing
+of the consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import anyio
+import asyncpg
+
+from .._sql.db import TRANSIENT_ERRORS
+from ..handlers import Handler
+from ..observe import Observers
+from .dispatcher import Dispatcher, Signals, declare
+from .executor import Executor
+from .handoff import Handoff
+from .leases import Leases
+from .listener import Listener
+from .maintenance import Maintenance
+from .options import ConsumerOptions
+from .rows import ClaimedRow, ConsumerStats
+from .settler import Settler
+from .watchdog import Watchdog
+
+__all__ = ["Engine"]
+
+logger = logging.getLogger("aiooutbox.consumer")
+
+
+class Engine:
+    """The parts of one consumer run; `run` returns once everything is settled or released.
+
+    ``is_stopping`` and ``in_a_hurry`` read the consumer's stop requests (first and
+    second); `stop_requested` is how the consumer passes one on while this runs.
+    """
+
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        options: ConsumerOptions,
+        handlers: dict[str, Handler],
+        topics: list[str] | None,
+        *,
+        stats: ConsumerStats,
+        leases: Leases,
+        signals: Signals,
+        observers: Observers,
+        started: asyncio.Event,
+        is_stopping: Callable[[], bool],
+        in_a_hurry: Callable[[], bool],
+        on_fatal: Callable[[BaseException], None],
+    ) -> None:
+        self._pool = pool
+        self._options = options
+        self._handlers = handlers
+        self._topics = topics
+        self._stats = stats
+        self._leases = leases
+        self._signals = signals
+        self._observers = observers
+        self._started = started
+        self._is_stopping = is_stopping
+        self._in_a_hurry = in_a_hurry
+        self._on_fatal = on_fatal
+        self.listener: Listener | None = None
+        self.settler: Settler | None = None
+        self.watchdog: Watchdog | None = None
+        self.workers_scope: anyio.CancelScope | None = None
+        self.startup_scope: anyio.CancelScope | None = None
+
+    def stop_requested(self) -> None:
+        """A stop while starting cancels the listener's first connect; in a hurry, the
+        running handlers are cancelled too."""
+        if self.startup_scope is not None:
+            self.startup_scope.cancel()
+        if self._in_a_hurry() and self.workers_scope is not None:
+            self.workers_scope.cancel()
+
+    async def run(self) -> None:
+        topics = self._topics
+        o = self._options
+        signals = self._signals
+        settler = self.settler = Settler(
+            self._pool,
+            o.queries,
+            o.worker_id,
+            flush_interval=0.005,
+            flush_size=max(64, o.concurrency + o.ahead),
+            statement_timeout=o.statement_timeout,
+            on_promoted=signals.set_wake,  # the key's next event may be ours to claim
+            on_retry_due=signals.retry_written,
+        )
+        logger.info(
+            "consumer %s starting: topics=%s concurrency=%d",
+            o.worker_id,
+            "all" if topics is None else topics,
+            o.concurrency,
+            extra={"worker_id": o.worker_id, "topics": topics},
+        )
+        async with anyio.create_task_group() as services:
+            if o.listen:
+                self.listener = Listener(
+                    self._pool,
+                    o.queries.channel,
+                    topics,
+                    signals.set_wake,
+                    dsn=o.listen_dsn,
+                    keepalive=max(o.poll_interval, 5.0),
+                    timeout=o.statement_timeout,
+                    worker_id=o.worker_id,
+                    probe_interval=o.listen_probe_interval,
+                )
+                # a stop() during the first connect must not wait for its timeout
+                with anyio.CancelScope() as self.startup_scope:
+                    if self._is_stopping():
+                        self.startup_scope.cancel()
+                    await services.start(self.listener.run)
+                self.startup_scope = None
+            self._started.set()
+            services.start_soon(settler.run)
+            maintenance = Maintenance(
+                self._pool,
+                o.queries,
+                o.worker_id,
+                leases=self._leases,
+                on_recovered=self._recovered,
+                lease_timeout=o.lease_timeout,
+                retention=o.retention,
+                statement_timeout=o.statement_timeout,
+            )
+            services.start_soon(maintenance.heartbeat_loop)
+            services.start_soon(maintenance.recovery_loop)
+            if o.watchdog_interval is not None:
+                self.watchdog = Watchdog(self._pool, o)
+                services.start_soon(self.watchdog.run)
+            executor = Executor(
+                handlers=self._handlers,
+                settler=settler,
+                leases=self._leases,
+                stats=self._stats,
+                retry=o.retry,
+                handler_timeout=o.handler_timeout,
+                decoder=o.decoder,
+                is_stopping=self._is_stopping,
+                is_hurried=lambda: (
+                    self.workers_scope is not None and self.workers_scope.cancel_called
+                ),
+                on_finished=signals.set_slot_freed,
+                on_fatal=self._on_fatal,
+                observers=self._observers,
+            )
+            dispatcher = Dispatcher(
+                self._pool,
+                o,
+                topics=topics,
+                stats=self._stats,
+                leases=self._leases,
+                settler=settler,
+                signals=signals,
+                listener=self.listener,
+                is_stopping=self._is_stopping,
+                observers=self._observers,
+            )
+            handoff: Handoff[list[ClaimedRow]] = Handoff()
+            try:
+                async with anyio.create_task_group() as workers:
+                    self.workers_scope = workers.cancel_scope
+                    if self._in_a_hurry():
+                        workers.cancel_scope.cancel()
+                    for _ in range(o.concurrency):
+                        workers.start_soon(_worker, handoff, executor)
+                    try:
+                        await dispatcher.run(handoff)
+                    finally:
+                        handoff.close()
+                    await self._drain()
+                    workers.cancel_scope.cancel()
+            finally:
+                handoff.close()
+                # runs handed out that no worker took (a fast stop): release them too
+                while (run := handoff.take_nowait()) is not None:
+                    executor.release(run[0])
+                    self._leases.finish(run[0].id, run[0].attempts)
+                    self._stats.in_flight -= 1
+                    executor.give_back(run[1:])
+                await settler.close(timeout=max(o.statement_timeout, 5.0))
+                with anyio.CancelScope(shield=True):
+                    # no row claimed under our id may stay `processing` once run()
+                    # returns; skipped when the final flush gave up (the database is gone)
+                    if not settler.abandoned:
+                        await _quietly(
+                            dispatcher.take_back_orphans("still held at shutdown"), logging.WARNING
+                        )
+                    if o.listen:
+                        await _quietly(declare(self._pool, o, topics, busy=True))
+                services.cancel_scope.cancel()
+        logger.info(
+            "consumer %s stopped: %s", o.worker_id, self._stats, extra={"worker_id": o.worker_id}
+        )
+
+    async def _drain(self) -> None:
+        """Give running handlers up to ``shutdown_grace`` to finish."""
+        grace = self._options.shutdown_grace
+        if self._stats.in_flight == 0 or self._in_a_hurry():
+            return
+        logger.info("waiting up to %.1fs for %d running handler(s)", grace, self._stats.in_flight)
+        with anyio.move_on_after(grace):
+            while self._stats.in_flight > 0 and not self._in_a_hurry():
+                self._signals.clear_slot_freed()
+                await self._signals.slot_freed.wait()
+        if self._stats.in_flight:
+            logger.warning(
+                "cancelling %d handler(s) still running; their events are released",
+                self._stats.in_flight,
+            )
+
+    def _recovered(self, count: int) -> None:
+        self._stats.recovered += count
+        self._signals.set_wake()
+
+
+async def _worker(handoff: Handoff[list[ClaimedRow]], executor: Executor) -> None:
+    while (run := await handoff.get()) is not None:
+        if len(run) == 1:  # an unordered event: one coroutine less per event
+            await executor.execute(run[0])
+        else:
+            await executor.execute_run(run)
+
+
+async def _quietly(awaitable: object, level: int = logging.DEBUG) -> None:
+    try:
+        await awaitable  # type: ignore[misc]
+    except TRANSIENT_ERRORS as exc:
+        logger.log(level, "ignored at shutdown (%s: %s)", type(exc).__name__, exc)

@@ -1,0 +1,199 @@
+"""`ConsumerOptions`: every consumer setting, validated once, frozen.
+
+The consumer, the CLI runner and the web integrations all build one of these, so a
+setting is checked in one place and means the same thing everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from .._sql.statements import DEFAULT_SCHEMA, DEFAULT_TABLE, Queries, queries
+from .._values.codec import Decoder, decode_json
+from .._values.limits import (
+    MAX_WORKER_ID,
+    check_count,
+    check_seconds,
+    check_topic_name,
+    optional_seconds,
+)
+from ..errors import InvalidArgument
+from ..retry import RetryPolicy
+
+__all__ = ["DEFAULT_MAX_CLAIM_BYTES", "ConsumerOptions"]
+
+# A claim stops adding rows once the stored payloads it holds reach this many bytes
+# (after TOAST compression; the first row is always taken); why: docs/benchmarks.md, 8.
+DEFAULT_MAX_CLAIM_BYTES = 16 * 1024 * 1024
+# With the default `prefetch`, a consumer under load claims ahead until it holds up to
+# this many rows: a claim and a settlement cost the same round trips for 64 rows as for
+# 512, and at concurrency 64 they were half the client CPU of a drain (docs/benchmarks.md,
+# "Prefetch"; 256 left a third more CPU per event, 1024 gained nothing over 512).
+PREFETCH_TO = 512
+
+
+def _default_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerOptions:
+    """Validated consumer settings; see `OutboxConsumer` for what each one does."""
+
+    concurrency: int = 64
+    batch_size: int | None = None
+    prefetch: int | None = None
+    topics: frozenset[str] | None = None
+    poll_interval: float = 5.0
+    lease_timeout: float = 30.0
+    shutdown_grace: float = 10.0
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    handler_timeout: float | None = None
+    worker_id: str = field(default_factory=_default_worker_id)
+    schema: str = DEFAULT_SCHEMA
+    table: str = DEFAULT_TABLE
+    listen: bool = True
+    listen_dsn: str | None = None
+    retention: float | None = 7 * 86400.0
+    statement_timeout: float = 10.0
+    decoder: Decoder = decode_json
+    max_claim_bytes: int = DEFAULT_MAX_CLAIM_BYTES
+    # production safety nets (docs/deployment.md)
+    listen_probe_interval: float | None = 5.0
+    watchdog_interval: float | None = 60.0
+    horizon_warning: float = 300.0
+    dead_tuples_warning: int = 1_000_000
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        concurrency: object = 64,
+        batch_size: object = None,
+        prefetch: object = None,
+        topics: object = None,
+        poll_interval: object = 5.0,
+        lease_timeout: object = 30.0,
+        shutdown_grace: object = 10.0,
+        retry: object = None,
+        handler_timeout: object = None,
+        worker_id: object = None,
+        schema: object = DEFAULT_SCHEMA,
+        table: object = DEFAULT_TABLE,
+        listen: object = True,
+        listen_dsn: object = None,
+        retention: object = timedelta(days=7),
+        statement_timeout: object = 10.0,
+        decoder: object = None,
+        max_claim_bytes: object = DEFAULT_MAX_CLAIM_BYTES,
+        listen_probe_interval: object = 5.0,
+        watchdog_interval: object = 60.0,
+        horizon_warning: object = 300.0,
+        dead_tuples_warning: object = 1_000_000,
+    ) -> ConsumerOptions:
+        """Check every value (raising `TypeError`/`InvalidArgument`) and freeze them."""
+        q = queries(schema, table)  # validated inside
+        slots = check_count("concurrency", concurrency, 1, 100_000)
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise TypeError(f"retry must be an aiooutbox.RetryPolicy, not {retry!r}")
+        if not isinstance(listen, bool):
+            raise TypeError(f"listen must be True or False, not {listen!r}")
+        if decoder is not None and not callable(decoder):
+            raise TypeError(f"decoder must be a callable taking the JSON text, not {decoder!r}")
+        return cls(
+            concurrency=slots,
+            batch_size=None
+            if batch_size is None
+            else check_count("batch_size", batch_size, 1, slots),
+            prefetch=None if prefetch is None else check_count("prefetch", prefetch, 0, 100_000),
+            topics=_topics(topics),
+            poll_interval=check_seconds("poll_interval", poll_interval, minimum=0.01),
+            lease_timeout=check_seconds("lease_timeout", lease_timeout, minimum=1.0),
+            shutdown_grace=check_seconds("shutdown_grace", shutdown_grace),
+            retry=retry or RetryPolicy(),
+            handler_timeout=optional_seconds("handler_timeout", handler_timeout, minimum=0.001),
+            worker_id=_default_worker_id() if worker_id is None else _worker_id(worker_id),
+            schema=q.schema,
+            table=q.table,
+            listen=listen,
+            listen_dsn=_listen_dsn(listen_dsn),
+            retention=optional_seconds("retention", retention, minimum=1.0),
+            statement_timeout=check_seconds("statement_timeout", statement_timeout, minimum=0.1),
+            decoder=decoder or decode_json,
+            max_claim_bytes=check_count("max_claim_bytes", max_claim_bytes, 1, 1 << 40),
+            listen_probe_interval=optional_seconds(
+                "listen_probe_interval", listen_probe_interval, minimum=0.1
+            ),
+            watchdog_interval=optional_seconds("watchdog_interval", watchdog_interval, minimum=1.0),
+            horizon_warning=check_seconds("horizon_warning", horizon_warning, minimum=1.0),
+            dead_tuples_warning=check_count("dead_tuples_warning", dead_tuples_warning, 1, 1 << 62),
+        )
+
+    @property
+    def queries(self) -> Queries:
+        return queries(self.schema, self.table)
+
+    @property
+    def claim_size(self) -> int:
+        """The most rows one claim takes while traffic is sparse."""
+        return self.concurrency if self.batch_size is None else self.batch_size
+
+    @property
+    def ahead(self) -> int:
+        """The most rows claimed beyond the running handlers (see `prefetch`)."""
+        if self.prefetch is not None:
+            return self.prefetch
+        return max(0, PREFETCH_TO - self.concurrency)
+
+    @property
+    def max_unwritten(self) -> int:
+        """Outcomes not yet written past which the consumer stops claiming: four claims'
+        worth. Four times `concurrency` paused the claims after every claim once a
+        consumer at the defaults held 512 rows (a 50k drain at the defaults: 24.9k/s
+        against 30.0k/s with this bound)."""
+        return 4 * (self.concurrency + self.ahead)
+
+    @property
+    def dense_claim_size(self) -> int:
+        """The most rows one claim takes while claiming ahead (an explicit
+        ``batch_size`` still caps it)."""
+        return self.claim_size if self.batch_size is not None else self.concurrency + self.ahead
+
+
+def _topics(topics: object) -> frozenset[str] | None:
+    if topics is None:
+        return None
+    if isinstance(topics, str) or not isinstance(topics, Collection):
+        raise TypeError("topics must be a collection of topic names, not a single string")
+    if not topics:
+        raise InvalidArgument("topics is empty: pass None to consume every handled topic")
+    return frozenset(check_topic_name(t, "each of topics") for t in topics)
+
+
+def _worker_id(worker_id: object) -> str:
+    if not isinstance(worker_id, str):
+        raise TypeError(f"worker_id must be a str, not {type(worker_id).__name__}")
+    try:
+        worker_id.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgument("worker_id is not valid Unicode text") from None
+    if not worker_id.strip() or len(worker_id) > MAX_WORKER_ID or "\x00" in worker_id:
+        raise InvalidArgument(
+            f"worker_id must be a non-empty string of 1-{MAX_WORKER_ID} characters without NUL"
+        )
+    return worker_id
+
+
+def _listen_dsn(dsn: object) -> str | None:
+    if dsn is None:
+        return None
+    if not isinstance(dsn, str):
+        raise TypeError(f"listen_dsn must be a str or None, not {type(dsn).__name__}")
+    if not dsn.strip():
+        raise InvalidArgument("listen_dsn is empty: pass None to listen through the pool")
+    return dsn

@@ -1,0 +1,354 @@
+"""Batched, fenced settlement of handler outcomes.
+
+Outcomes are buffered and written with one statement per (kind, attempt) group: ``done``
+rows as ``WHERE id = ANY($1)`` (through the primary key, whatever the backlog), failures
+with their delays and errors. A flush that fails on passing trouble is retried with
+backoff; one that fails on a refused value (SQLSTATE class 22) is split until the bad
+row is alone, which is then written with a placeholder error, so one row can never hold
+back the others. `close` makes the last flush, shielded from cancellation and bounded
+by its deadline even while a background flush is retrying.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import anyio
+import asyncpg
+
+from .._sql.db import TRANSIENT_ERRORS, check_permanent, is_data_error, pool_is_closed, pooled
+from .._sql.statements import Queries
+from .rows import Outcome, Settlement
+
+__all__ = ["Settler"]
+
+logger = logging.getLogger("aiooutbox.settler")
+
+_SHOWN_IDS = 20  # ids named in a log line about outcomes that could not be written
+_PROMOTE_RETRY = 0.05  # seconds before trying again a key whose promotion was deferred
+_PLACEHOLDER = "(the error text of this attempt could not be stored: {})"
+
+
+@dataclass
+class _Batch:
+    done: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
+    failed: dict[int, list[Settlement]] = field(default_factory=lambda: defaultdict(list))
+    size: int = 0
+
+    def __bool__(self) -> bool:
+        return self.size > 0
+
+    def ids(self) -> list[int]:
+        ids = [i for group in self.done.values() for i in group]
+        return ids + [s.id for group in self.failed.values() for s in group]
+
+
+class Settler:
+    """Collects outcomes and flushes them on size, on a short timer, and on close."""
+
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        queries: Queries,
+        worker_id: str,
+        *,
+        flush_interval: float,
+        flush_size: int,
+        statement_timeout: float,
+        on_promoted: Callable[[], None] = lambda: None,
+        on_retry_due: Callable[[float], None] = lambda _: None,
+    ) -> None:
+        self._pool = pool
+        self._q = queries
+        self._worker_id = worker_id
+        self._flush_interval = flush_interval
+        self._flush_size = flush_size
+        self._timeout = statement_timeout
+        self._pending = _Batch()
+        self._has_work = anyio.Event()
+        self._flushed = anyio.Event()
+        self._flush_lock = anyio.Lock()
+        self._deadline: float | None = None  # set by close(): every flush gives up then
+        self._writing = _Batch()  # the batch a flush is writing now
+        self._on_promoted = on_promoted
+        self._on_retry_due = on_retry_due
+        self._promote_later: set[str] = set()  # keys a producer held locked (see 0005)
+        self._promoting: set[str] = set()
+        self.promoted = 0  # waiting ordered events promoted to their key's head
+        self.fenced = 0  # outcomes ignored because the lease had moved on
+        self.abandoned = 0  # outcomes given up at shutdown (their leases will expire)
+
+    # -- recording (synchronous, never fails) --------------------------------------
+    def done(self, event_id: int, attempts: int) -> None:
+        """`record` of a done outcome, without building a `Settlement` (the hot path)."""
+        self._pending.done[attempts].append(event_id)
+        self._pending.size += 1
+        if self._pending.size == 1 or self._pending.size >= self._flush_size:
+            self._has_work.set()
+
+    def record(self, settlement: Settlement) -> None:
+        if settlement.outcome is Outcome.DONE:
+            self._pending.done[settlement.attempts].append(settlement.id)
+        else:
+            self._pending.failed[settlement.attempts].append(settlement)
+        self._pending.size += 1
+        if self._pending.size == 1 or self._pending.size >= self._flush_size:
+            self._has_work.set()
+
+    @property
+    def backlog(self) -> int:
+        """Outcomes not yet written: waiting for a flush, or in the write under way."""
+        return self._pending.size + self._writing.size
+
+    def unsettled_ids(self) -> list[int]:
+        """Rows whose outcome is recorded here but not yet written (still processing)."""
+        return self._pending.ids() + self._writing.ids()
+
+    async def wait_flushed(self) -> None:
+        """Wait until the next flush completes (used for back-pressure)."""
+        await self._flushed.wait()
+
+    # -- flushing ------------------------------------------------------------------
+    async def run(self) -> None:
+        """Flush forever; cancel to stop, then call `close` for the final flush."""
+        while True:
+            with anyio.move_on_after(_PROMOTE_RETRY if self._promote_later else math.inf):
+                await self._has_work.wait()
+            self._has_work = anyio.Event()
+            if self._pending.size < self._flush_size:
+                # let a few more outcomes join this batch
+                with anyio.move_on_after(self._flush_interval):
+                    while self._pending.size < self._flush_size:
+                        await self._has_work.wait()
+                        self._has_work = anyio.Event()
+            async with self._flush_lock:
+                await self._flush_locked()
+
+    async def close(self, timeout: float) -> None:
+        """Final flush, shielded from cancellation, given up after ``timeout`` seconds.
+
+        A background flush that is retrying sees the same deadline and stops at it, so
+        the bound holds whatever it was doing; only a write already under way (itself
+        bounded by the statement timeout) is waited for.
+        """
+        with anyio.CancelScope(shield=True):
+            self._deadline = anyio.current_time() + timeout
+            with anyio.move_on_after(timeout + 2 * self._timeout):
+                async with self._flush_lock:
+                    await self._flush_locked()
+            self._abandon("the database could not be reached before the shutdown deadline")
+
+    async def _flush_locked(self) -> None:
+        delay = 0.05
+        promote = bool(self._promote_later)  # deferred promotions ride along once
+        while self._pending or promote:
+            promote = False
+            batch, self._pending = self._pending, _Batch()
+            self._writing = batch
+            try:
+                # a write under way finishes even if we are cancelled: its rows are settled
+                with anyio.CancelScope(shield=True):
+                    await self._write(batch)
+            except TRANSIENT_ERRORS as exc:
+                self._writing = _Batch()
+                check_permanent(exc, "writing outcomes")
+                self._merge_back(batch)
+                if pool_is_closed(self._pool):
+                    self._abandon("the asyncpg pool was closed")
+                    return
+                deadline = self._deadline
+                if deadline is not None and anyio.current_time() + delay > deadline:
+                    self._abandon(f"{type(exc).__name__}: {exc}")
+                    return
+                logger.warning(
+                    "settlement flush failed (%s: %s); retrying in %.2fs",
+                    type(exc).__name__,
+                    exc,
+                    delay,
+                    extra={"outcomes": batch.size},
+                )
+                await anyio.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 5.0)
+            else:
+                self._writing = _Batch()
+        flushed, self._flushed = self._flushed, anyio.Event()
+        flushed.set()
+
+    def _abandon(self, why: str) -> None:
+        if not self._pending:
+            return
+        ids = self._pending.ids()
+        self.abandoned += len(ids)
+        shown = ", ".join(map(str, ids[:_SHOWN_IDS])) + (" ..." if len(ids) > _SHOWN_IDS else "")
+        logger.error(
+            "gave up writing %d outcome(s) at shutdown (%s); their leases will expire and "
+            "the events will be retried: ids %s",
+            len(ids),
+            why,
+            shown,
+            extra={"outcomes": len(ids), "event_ids": ids[:1000]},
+        )
+        self._pending = _Batch()
+
+    def _merge_back(self, batch: _Batch) -> None:
+        for attempts, ids in batch.done.items():
+            self._pending.done[attempts].extend(ids)
+        for attempts, failures in batch.failed.items():
+            self._pending.failed[attempts].extend(failures)
+        self._pending.size += batch.size
+
+    def _statements(self, batch: _Batch) -> list[tuple[str, tuple[object, ...], int]]:
+        statements: list[tuple[str, tuple[object, ...], int]] = [
+            (self._q.settle_done, (ids, self._worker_id, attempts), len(ids))
+            for attempts, ids in batch.done.items()
+        ]
+        statements += [
+            self._failed_statement(attempts, failures)
+            for attempts, failures in batch.failed.items()
+        ]
+        if self._promote_later:
+            # keys whose promotion a producer's lock deferred earlier: try them again
+            self._promoting = set(self._promote_later)
+            statements.append((self._q.promote, (sorted(self._promoting),), -1))
+        return statements
+
+    def _failed_statement(
+        self, attempts: int, failures: list[Settlement]
+    ) -> tuple[str, tuple[object, ...], int]:
+        return (
+            self._q.settle_failed,
+            (
+                [f.id for f in failures],
+                [f.delay for f in failures],
+                [f.error for f in failures],
+                [f.code for f in failures],
+                self._worker_id,
+                attempts,
+            ),
+            len(failures),
+        )
+
+    async def _write(self, batch: _Batch) -> None:
+        statements = self._statements(batch)
+        async with pooled(self._pool, self._timeout) as conn:
+            try:
+                results = await self._execute(conn, statements)
+            except asyncpg.PostgresError as exc:
+                if not is_data_error(exc):
+                    raise
+                # a refused value: never retry the batch as a whole (it would fail forever)
+                await self._write_apart(conn, batch, exc)
+                return
+        for (_, _, expected), result in zip(statements, results, strict=True):
+            self._absorb(result, expected)
+        self._announce_retries(batch)
+
+    def _announce_retries(self, batch: _Batch) -> None:
+        """Tell the claim loop when the retries just written become due: an UPDATE sends
+        no notification, so an idle consumer would otherwise wait for its poll."""
+        delays = [
+            f.delay
+            for failures in batch.failed.values()
+            for f in failures
+            if f.outcome in (Outcome.RETRY, Outcome.RELEASED)
+        ]
+        if delays:
+            self._on_retry_due(min(delays))
+
+    async def _execute(
+        self, conn: asyncpg.Connection, statements: list[tuple[str, tuple[object, ...], int]]
+    ) -> list[asyncpg.Record]:
+        # one statement needs no explicit transaction (and saves two round trips);
+        # several are applied together so a retried flush never half-repeats
+        if len(statements) == 1:
+            sql, args, _ = statements[0]
+            return [await conn.fetchrow(sql, *args, timeout=self._timeout)]
+        async with conn.transaction():
+            return [
+                await conn.fetchrow(sql, *args, timeout=self._timeout)
+                for sql, args, _ in statements
+            ]
+
+    def _absorb(self, result: asyncpg.Record, expected: int) -> None:
+        """Count fenced outcomes; keep keys whose promotion a producer's lock deferred."""
+        if expected >= 0:
+            self._count_fenced(result["settled"], expected)
+        self._promote_later.difference_update(self._promoting)
+        self._promoting = set()
+        self._promote_later.update(result["skipped"] or ())
+        if result["promoted"]:
+            self.promoted += result["promoted"]
+            self._on_promoted()
+
+    async def _write_apart(
+        self, conn: asyncpg.Connection, batch: _Batch, first: asyncpg.PostgresError
+    ) -> None:
+        logger.warning(
+            "settlement flush refused a value (%s: %s); writing the %d outcome(s) apart",
+            type(first).__name__,
+            first,
+            batch.size,
+        )
+        for attempts, ids in batch.done.items():
+            statement = (self._q.settle_done, (ids, self._worker_id, attempts), len(ids))
+            self._absorb((await self._execute(conn, [statement]))[0], len(ids))
+        for attempts, failures in batch.failed.items():
+            await self._write_failures(conn, attempts, failures)
+
+    async def _write_failures(
+        self, conn: asyncpg.Connection, attempts: int, failures: list[Settlement]
+    ) -> None:
+        try:
+            result = (await self._execute(conn, [self._failed_statement(attempts, failures)]))[0]
+        except asyncpg.PostgresError as exc:
+            if not is_data_error(exc):
+                raise
+            if len(failures) > 1:
+                half = len(failures) // 2
+                await self._write_failures(conn, attempts, failures[:half])
+                await self._write_failures(conn, attempts, failures[half:])
+                return
+            bad = failures[0]
+            if bad.error.startswith(_PLACEHOLDER[:20]):
+                logger.error(
+                    "event %d: its outcome was refused even with a placeholder error (%s); "
+                    "its lease will expire and it will be retried",
+                    bad.id,
+                    exc,
+                    extra={"event_id": bad.id},
+                )
+                return
+            logger.warning(
+                "event %d: error text refused (%s); storing a placeholder instead",
+                bad.id,
+                exc,
+                extra={"event_id": bad.id},
+            )
+            placeholder = _PLACEHOLDER.format(type(exc).__name__)
+            await self._write_failures(
+                conn,
+                attempts,
+                [
+                    Settlement(
+                        bad.id, bad.attempts, bad.outcome, bad.delay, placeholder, bad.blocks_key
+                    )
+                ],
+            )
+            return
+        self._absorb(result, len(failures))
+
+    def _count_fenced(self, updated: int, expected: int) -> None:
+        if updated < expected:
+            self.fenced += expected - updated
+            logger.warning(
+                "%d outcome(s) ignored: the row was no longer held by this worker on this "
+                "attempt (its lease expired and it was recovered or re-claimed, or an earlier "
+                "try of this flush committed before its connection dropped)",
+                expected - updated,
+                extra={"fenced": expected - updated},
+            )

@@ -1,0 +1,196 @@
+"""Operator, demo and server-wide SQL, named, for one (schema, table) outbox.
+
+What `aiooutbox.admin`, the command line, ``aiooutbox demo`` and the embedded server
+run. It lives apart from `Queries` (`_sql.statements`), which holds only what producers,
+consumers and migrations run, so the hot path's statement set stays small and a
+reader of it is not sent through reports. Same rules: identifiers validated and
+quoted, values always bind parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .statements import DEFAULT_SCHEMA, DEFAULT_TABLE, Queries, queries, validate_identifier
+
+__all__ = ["AdminQueries", "admin_queries"]
+
+
+@lru_cache(maxsize=64)
+def admin_queries(schema: str = DEFAULT_SCHEMA, table: str = DEFAULT_TABLE) -> AdminQueries:
+    """The validated, cached operator statement set for one outbox."""
+    return AdminQueries(queries(schema, table))
+
+
+@dataclass(frozen=True)
+class AdminQueries:
+    outbox: Queries
+
+    @property
+    def qualified(self) -> str:
+        return self.outbox.qualified
+
+    @property
+    def idle_table(self) -> str:
+        return self.outbox.idle_table
+
+    @property
+    def status_type(self) -> str:
+        return self.outbox.status_type
+
+    def _function(self, name: str) -> str:
+        return f'"{self.outbox.schema}"."{self.outbox.table}_{name}"'
+
+    # -- operator ------------------------------------------------------------------
+    @property
+    def stats_by_topic(self) -> str:
+        return (
+            f"SELECT topic, status::text, count(*) FROM {self.qualified}"
+            " GROUP BY topic, status ORDER BY topic, status"
+        )
+
+    @property
+    def oldest_claimable(self) -> str:
+        return (
+            "SELECT topic, extract(epoch FROM (now() - min(available_at)))::float8"
+            f" FROM {self.qualified}"
+            " WHERE status IN ('pending', 'retry') AND available_at <= now() GROUP BY topic"
+        )
+
+    @property
+    def in_flight_by_worker(self) -> str:
+        # worker, rows held, seconds since its oldest claim
+        return (
+            "SELECT locked_by, count(*),"
+            " extract(epoch FROM (now() - min(locked_at)))::float8"
+            f" FROM {self.qualified}"
+            " WHERE status = 'processing' GROUP BY locked_by ORDER BY locked_by"
+        )
+
+    @property
+    def attempts_by_topic(self) -> str:
+        # topic, events, done, dead, attempts made (a full scan: for small tables and demos)
+        return (
+            "SELECT topic, count(*), count(*) FILTER (WHERE status = 'done'),"
+            " count(*) FILTER (WHERE status = 'dead'), coalesce(sum(attempts), 0)::bigint"
+            f" FROM {self.qualified} GROUP BY topic ORDER BY topic"
+        )
+
+    @property
+    def reset_demo(self) -> str:
+        # only ever run by `aiooutbox demo` on its own table
+        return f"TRUNCATE {self.qualified} RESTART IDENTITY"
+
+    @property
+    def not_demo_events(self) -> str:
+        # rows `aiooutbox demo` did not write: it marks its own with this header
+        return f"""SELECT count(*) FROM {self.qualified} WHERE NOT headers @> '{{"demo": true}}'"""
+
+    @property
+    def dead_list(self) -> str:
+        # $1 topic or NULL, $2 limit
+        return (
+            "SELECT id, topic, dedupe_key, attempts, max_attempts, last_error,"
+            " created_at, finished_at, payload::text"
+            f" FROM {self.qualified} WHERE status = 'dead'"
+            " AND ($1::text IS NULL OR topic = $1) ORDER BY id LIMIT $2"
+        )
+
+    @property
+    def dead_retry(self) -> str:
+        # $1 ids or NULL, $2 topic or NULL; attempts reset, back to pending now (an
+        # ordered event whose key has a head already waits behind it: migration 0005)
+        return (
+            f"SELECT id, topic, status, ordering_key FROM {self._function('requeue_dead')}"
+            "($1::bigint[], $2::text)"
+        )
+
+    @property
+    def later_done_of_keys(self) -> str:
+        # $1 requeued dead ids: how many later events of their keys are already done
+        # (a retried event that its key skipped runs late, out of order)
+        return (
+            f"SELECT d.id, count(l.id) FROM {self.qualified} d JOIN {self.qualified} l"
+            " ON l.ordering_key = d.ordering_key AND l.id > d.id AND l.status = 'done'"
+            " WHERE d.id = ANY ($1::bigint[]) GROUP BY d.id"
+        )
+
+    @property
+    def blocked_keys(self) -> str:
+        # $1 limit: ordered keys whose head cannot run now (failing, or dead and
+        # blocking) and that have events waiting behind it, oldest head first
+        return (
+            "SELECT h.ordering_key, h.id, h.topic, h.status::text, h.attempts,"
+            " h.available_at, left(h.last_error, 200) AS last_error,"
+            f" (SELECT count(*) FROM {self.qualified} w"
+            "   WHERE w.ordering_key = h.ordering_key AND w.status = 'waiting') AS waiting"
+            f" FROM {self.qualified} h"
+            " WHERE h.ordering_key IS NOT NULL AND (h.status = 'retry' OR h.blocks_key)"
+            " AND (h.status IN ('pending', 'retry', 'processing', 'waiting') OR h.blocks_key)"
+            " ORDER BY h.id LIMIT $1"
+        )
+
+    @property
+    def promote_keys(self) -> str:
+        # $1 keys: move each on to its next waiting event if it has no head left
+        return f"SELECT * FROM {self._function('promote')}($1::text[])"
+
+    @property
+    def dead_purge(self) -> str:
+        return (
+            f"DELETE FROM {self.qualified}"
+            " WHERE status = 'dead' AND ($1::bigint[] IS NULL OR id = ANY ($1::bigint[]))"
+            " AND ($2::text IS NULL OR topic = $2)"
+            " AND ($3::float8 IS NULL"
+            "  OR coalesce(finished_at, updated_at) < now() - make_interval(secs => $3))"
+            " RETURNING id, ordering_key"
+        )
+
+    @property
+    def purge_status(self) -> str:
+        # $1 status, $2 age seconds, $3 batch size (callers loop until fewer are deleted)
+        return (
+            f"DELETE FROM {self.qualified} WHERE id = ANY (ARRAY("
+            f" SELECT id FROM {self.qualified}"
+            f"  WHERE status = $1::text::{self.status_type}"
+            "  AND coalesce(finished_at, updated_at) < now() - make_interval(secs => $2::float8)"
+            "  LIMIT $3))"
+        )
+
+    # -- operator: what the command line reports beyond counts ---------------------
+    @property
+    def event_statuses(self) -> str:
+        # $1 ids: the status of those that exist (to say why a named id was not acted on)
+        return f"SELECT id, status::text FROM {self.qualified} WHERE id = ANY ($1::bigint[])"
+
+    @property
+    def unconsumed_topics(self) -> str:
+        # $1 topics handled by the caller (or NULL), $2 minimum wait in seconds.
+        # Topics with events claimable now that no consumer seems to handle: none of
+        # their rows is processing, and no idle consumer advertises the topic. Run once
+        # by `run` at start-up and by `stats`; it reads the claimable rows once.
+        return (
+            "SELECT w.topic, w.waiting, w.lag FROM ("
+            "  SELECT topic, count(*) AS waiting,"
+            "   extract(epoch FROM (now() - min(available_at)))::float8 AS lag"
+            f"  FROM {self.qualified}"
+            "  WHERE status IN ('pending', 'retry') AND available_at <= now()"
+            "  GROUP BY topic) AS w"
+            " WHERE w.lag >= $2::float8"
+            " AND NOT (w.topic = ANY (coalesce($1::text[], '{}')))"
+            f" AND NOT EXISTS (SELECT 1 FROM {self.qualified} AS p"
+            "  WHERE p.status = 'processing' AND p.topic = w.topic)"
+            f" AND NOT EXISTS (SELECT 1 FROM {self.idle_table} AS i"
+            "  WHERE i.expires_at > now() AND w.topic = ANY (i.topics))"
+            " ORDER BY w.topic"
+        )
+
+    # -- server-wide, for bootstrapping the embedded server's database -------------
+    @property
+    def database_exists(self) -> str:
+        return "SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)"
+
+    @staticmethod
+    def create_database(name: str) -> str:
+        return f'CREATE DATABASE "{validate_identifier("database", name)}"'

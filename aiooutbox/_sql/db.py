@@ -1,0 +1,125 @@
+"""What counts as passing database trouble, what never heals by retrying, and how to
+tell a closed pool from either."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import asyncpg
+
+from ..errors import OutboxError
+
+__all__ = [
+    "TRANSIENT_ERRORS",
+    "PermanentDatabaseError",
+    "bounded",
+    "check_permanent",
+    "is_data_error",
+    "permanent_reason",
+    "pool_is_closed",
+    "pooled",
+]
+
+logger = logging.getLogger("aiooutbox.db")
+
+# Everything a database call may raise that we handle at all: connection resets,
+# restarts, failovers, statement and acquire timeouts, server errors. asyncpg raises
+# InternalClientError ("cannot switch to state 12; another operation (2) is in
+# progress") when a query starts on a connection whose backend was just terminated.
+# `permanent_reason` then picks out the ones that retrying cannot fix.
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.exceptions.InternalClientError,
+    asyncio.TimeoutError,
+    TimeoutError,
+)
+
+# SQLSTATEs (exact, or a two-character class) that a retry never fixes, with the fix.
+_PERMANENT: dict[str, str] = {
+    "42501": "grant the consumer's role the privileges listed in docs/guarantees.md",
+    "42P01": "the outbox table is missing: run `python -m aiooutbox migrate`",
+    "42883": "an outbox function is missing: run `python -m aiooutbox migrate`",
+    "42703": "an outbox column is missing: run `python -m aiooutbox migrate`",
+    "3F000": "the outbox schema is missing: run `python -m aiooutbox migrate`",
+    "42": "the outbox schema does not match this aiooutbox: run `python -m aiooutbox migrate`",
+    "25006": "the server is read-only (a standby): point the DSN at the primary "
+    "(several hosts with target_session_attrs=read-write follow a failover)",
+    "28": "the database refused the credentials: check the DSN's user and password",
+    "0A": "the server lacks a feature aiooutbox needs",
+}
+
+
+class PermanentDatabaseError(OutboxError):
+    """The database refused an operation in a way that retrying will not fix."""
+
+
+def permanent_reason(exc: BaseException) -> str | None:
+    """What to fix, when ``exc`` is a server error that retrying will not fix."""
+    state = getattr(exc, "sqlstate", None)
+    if not isinstance(exc, asyncpg.PostgresError) or not isinstance(state, str):
+        return None
+    return _PERMANENT.get(state) or _PERMANENT.get(state[:2])
+
+
+def is_data_error(exc: BaseException) -> bool:
+    """A value was refused (SQLSTATE class 22: bad encoding, out of range, ...)."""
+    state = getattr(exc, "sqlstate", None)
+    return isinstance(exc, asyncpg.PostgresError) and isinstance(state, str) and state[:2] == "22"
+
+
+def pool_is_closed(pool: asyncpg.Pool) -> bool:
+    """True once the application closed (or began closing) the pool we were given."""
+    is_closing = getattr(pool, "is_closing", None)
+    return bool(is_closing()) if callable(is_closing) else False
+
+
+def check_permanent(exc: BaseException, doing: str) -> None:
+    """Raise `PermanentDatabaseError` from ``exc`` if retrying cannot fix it."""
+    reason = permanent_reason(exc)
+    if reason is not None:
+        raise PermanentDatabaseError(
+            f"{doing} failed: {type(exc).__name__}: {exc} (SQLSTATE {exc.sqlstate}); "  # type: ignore[attr-defined]
+            f"{reason}"
+        ) from exc
+
+
+@asynccontextmanager
+async def pooled(pool: asyncpg.Pool, timeout: float) -> AsyncIterator[asyncpg.Connection]:
+    """``pool.acquire(timeout=)`` whose release survives being cancelled.
+
+    asyncpg releases in ``asyncio.shield(...)``; when the caller is cancelled during
+    it (a ``fail_after`` deadline, a stop) while the reset is stalled, the shielded
+    release goes on alone, and on Python 3.11 nobody retrieves its ``TimeoutError``:
+    the loop reports "Task exception was never retrieved". Here the release is our own
+    task, whose outcome we always read (the connection is terminated either way).
+    """
+    conn = await pool.acquire(timeout=timeout)
+    try:
+        yield conn
+    finally:
+        release = asyncio.ensure_future(pool.release(conn))
+        release.add_done_callback(_note_failed_release)
+        await asyncio.shield(release)
+
+
+def _note_failed_release(release: asyncio.Future[None]) -> None:
+    if not release.cancelled() and (exc := release.exception()) is not None:
+        logger.debug("a pooled connection's reset failed (%s); asyncpg closed it", exc)
+
+
+async def bounded(pool: asyncpg.Pool, method: str, query: str, *args: Any, timeout: float) -> Any:
+    """``conn.<method>(query, *args)`` on a pooled connection, every step bounded.
+
+    Not ``pool.fetch()`` and friends: they acquire without a timeout, so on a blackholed
+    network a new connection waits for asyncpg's 60 s connect timeout and a released one
+    may wait forever for its query cancellation (and a stop() would hang in the shielded
+    cleanup). ``acquire(timeout=)`` also bounds the release.
+    """
+    async with pooled(pool, timeout) as conn:
+        return await getattr(conn, method)(query, *args, timeout=timeout)

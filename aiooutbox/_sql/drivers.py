@@ -1,0 +1,273 @@
+"""Bind and execute the producer's statements on whatever connection the caller holds.
+
+`aiooutbox.producer` validates and builds one statement and its parameters for every
+driver; an executor here only renders the placeholders for the driver's paramstyle, runs
+the statement in the caller's transaction and returns the rows. The connection's kind is
+read from its class's module, so SQLAlchemy, psycopg and Django are imported only when
+the caller passed one of theirs (the core depends on asyncpg alone).
+
+Accepted, async: asyncpg ``Connection``/``Pool``, SQLAlchemy ``AsyncSession`` and
+``AsyncConnection``, psycopg ``AsyncConnection``. Blocking (`aiooutbox.sync`): psycopg
+``Connection``, psycopg2 connections, SQLAlchemy ``Session`` and ``Connection``, Django
+database connections.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import asyncpg
+
+from ..errors import SchemaNotReady
+from .statements import Queries, for_paramstyle
+
+__all__ = ["ASYNC_ACCEPTED", "SYNC_ACCEPTED", "async_executor", "sync_executor"]
+
+Rows = Sequence[Sequence[Any]]
+AsyncExecute = Callable[[Queries, str, Sequence[Any]], Awaitable[Rows]]
+SyncExecute = Callable[[Queries, str, Sequence[Any]], Rows]
+
+ASYNC_ACCEPTED = (
+    "an asyncpg Connection or Pool, a SQLAlchemy AsyncSession or AsyncConnection, "
+    "or a psycopg AsyncConnection"
+)
+SYNC_ACCEPTED = (
+    "a psycopg Connection, a psycopg2 connection, a SQLAlchemy Session or Connection, "
+    "or a Django database connection"
+)
+_LIBRARIES = ("sqlalchemy", "psycopg", "psycopg2", "django")
+# undefined_table, invalid_schema_name: the outbox was never migrated into this database
+# the table or schema is missing, or older than this library (a column it inserts)
+_SCHEMA_MISSING = frozenset({"42P01", "3F000", "42703"})
+
+
+def _library(conn: object) -> str | None:
+    """The supported library ``conn``'s class (or a base class) comes from, if any."""
+    for cls in type(conn).__mro__:
+        root = cls.__module__.partition(".")[0]
+        if root in _LIBRARIES:
+            return root
+    return None
+
+
+def _unsupported(conn: object, accepted: str, hint: str = "") -> TypeError:
+    kind = f"{type(conn).__module__}.{type(conn).__qualname__}"
+    return TypeError(f"cannot enqueue on a {kind}: pass {accepted}{hint}")
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE of a driver error, also when SQLAlchemy or Django wrapped it."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        error = todo.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        for attribute in ("sqlstate", "pgcode"):
+            code = getattr(error, attribute, None)
+            if isinstance(code, str):
+                return code
+        orig = getattr(error, "orig", None)
+        todo += [orig if isinstance(orig, BaseException) else None, error.__cause__]
+    return None
+
+
+def _translate(exc: Exception, q: Queries) -> None:
+    """Raise `SchemaNotReady` (with the fix) if ``exc`` says the outbox table is missing
+    or behind this library."""
+    state = _sqlstate(exc)
+    if state in _SCHEMA_MISSING:
+        from ..migrations import schema_behind_message, schema_missing_message
+
+        message = schema_behind_message(q) if state == "42703" else schema_missing_message(q)
+        raise SchemaNotReady(message) from exc
+
+
+# -- async ---------------------------------------------------------------------------------
+
+
+def async_executor(conn: object) -> AsyncExecute:
+    """The executor for an async connection, or `TypeError` listing what is accepted."""
+    if isinstance(conn, (asyncpg.Connection, asyncpg.Pool)):
+        return _asyncpg(conn)
+    library = _library(conn)
+    sync_hint = "; for blocking code use aiooutbox.sync.enqueue/enqueue_many"
+    if library == "sqlalchemy":
+        from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_scoped_session
+
+        if isinstance(conn, (AsyncSession, async_scoped_session)):
+            return _sqlalchemy_async_session(conn)
+        if isinstance(conn, AsyncConnection):
+            return _sqlalchemy_async_connection(conn)
+        raise _unsupported(conn, ASYNC_ACCEPTED, sync_hint if _sync_kind(conn) else "")
+    if library == "psycopg":
+        import psycopg
+
+        if isinstance(conn, psycopg.AsyncConnection):
+            return _psycopg_async(conn)
+    if library is not None and _sync_kind(conn):
+        raise _unsupported(conn, ASYNC_ACCEPTED, sync_hint)
+    raise _unsupported(conn, ASYNC_ACCEPTED)
+
+
+def _asyncpg(conn: asyncpg.Connection | asyncpg.Pool) -> AsyncExecute:
+    async def execute(q: Queries, sql: str, params: Sequence[Any]) -> Rows:
+        try:
+            rows: Rows = await conn.fetch(sql, *params)
+        except asyncpg.PostgresError as exc:
+            _translate(exc, q)
+            raise
+        return rows
+
+    return execute
+
+
+def _sqlalchemy_async_session(session: Any) -> AsyncExecute:
+    _check_sqlalchemy_dialect(session.get_bind())
+
+    async def execute(q: Queries, sql: str, params: Sequence[Any]) -> Rows:
+        # like session.execute: joins the session's transaction, or autobegins one
+        connection = await session.connection()
+        return await _sqlalchemy_async_connection(connection)(q, sql, params)
+
+    return execute
+
+
+def _sqlalchemy_async_connection(connection: Any) -> AsyncExecute:
+    _check_sqlalchemy_dialect(connection)
+
+    async def execute(q: Queries, sql: str, params: Sequence[Any]) -> Rows:
+        statement = for_paramstyle(sql, connection.dialect.paramstyle)
+        try:
+            result = await connection.exec_driver_sql(statement, tuple(params))
+        except Exception as exc:
+            _translate(exc, q)
+            raise
+        rows: Rows = result.fetchall()
+        return rows
+
+    return execute
+
+
+def _psycopg_async(conn: Any) -> AsyncExecute:
+    async def execute(q: Queries, sql: str, params: Sequence[Any]) -> Rows:
+        try:
+            async with conn.cursor() as cursor:
+                await cursor.execute(for_paramstyle(sql, "format"), params)
+                rows: Rows = await cursor.fetchall()
+        except Exception as exc:
+            _translate(exc, q)
+            raise
+        return rows
+
+    return execute
+
+
+# -- blocking ------------------------------------------------------------------------------
+
+
+def _sync_kind(conn: object) -> str | None:
+    """Which blocking executor fits ``conn``: "sqlalchemy-session", "sqlalchemy", "dbapi"."""
+    library = _library(conn)
+    if library == "sqlalchemy":
+        from sqlalchemy.engine import Connection
+        from sqlalchemy.orm import Session, scoped_session
+
+        if isinstance(conn, (Session, scoped_session)):
+            return "sqlalchemy-session"
+        if isinstance(conn, Connection):
+            return "sqlalchemy"
+    elif library == "psycopg":
+        import psycopg
+
+        if isinstance(conn, psycopg.Connection):
+            return "dbapi"
+    elif library == "psycopg2":
+        import psycopg2.extensions
+
+        if isinstance(conn, psycopg2.extensions.connection):
+            return "dbapi"
+    elif library == "django":
+        from django.db.backends.base.base import BaseDatabaseWrapper
+        from django.utils.connection import ConnectionProxy
+
+        if isinstance(conn, (BaseDatabaseWrapper, ConnectionProxy)):
+            return "django"
+    return None
+
+
+def sync_executor(conn: object) -> SyncExecute:
+    """The executor for a blocking connection, or `TypeError` listing what is accepted."""
+    kind = _sync_kind(conn)
+    if kind == "sqlalchemy-session":
+        return _sqlalchemy_session(conn)
+    if kind == "sqlalchemy":
+        return _sqlalchemy_connection(conn)
+    if kind == "dbapi":
+        return _dbapi(conn)
+    if kind == "django":
+        vendor = getattr(conn, "vendor", None)
+        if vendor != "postgresql":
+            raise TypeError(f"cannot enqueue on a Django {vendor} connection: PostgreSQL only")
+        return _dbapi(conn)
+    async_hint = ""
+    if isinstance(conn, (asyncpg.Connection, asyncpg.Pool)) or _library(conn):
+        async_hint = "; for async connections use `await aiooutbox.enqueue(...)`"
+    raise _unsupported(conn, SYNC_ACCEPTED, async_hint)
+
+
+def _sqlalchemy_session(session: Any) -> SyncExecute:
+    _check_sqlalchemy_dialect(session.get_bind())
+
+    def execute(q: Queries, sql: str, params: Sequence[Any]) -> Rows:
+        # like session.execute: joins the session's transaction, or autobegins one
+        return _sqlalchemy_connection(session.connection())(q, sql, params)
+
+    return execute
+
+
+def _sqlalchemy_connection(connection: Any) -> SyncExecute:
+    _check_sqlalchemy_dialect(connection)
+
+    def execute(q: Queries, sql: str, params: Sequence[Any]) -> Rows:
+        statement = for_paramstyle(sql, connection.dialect.paramstyle)
+        try:
+            rows: Rows = connection.exec_driver_sql(statement, tuple(params)).fetchall()
+        except Exception as exc:
+            _translate(exc, q)
+            raise
+        return rows
+
+    return execute
+
+
+def _dbapi(conn: Any) -> SyncExecute:
+    """psycopg, psycopg2 and Django connections: a DB-API cursor taking ``%s``."""
+
+    def execute(q: Queries, sql: str, params: Sequence[Any]) -> Rows:
+        try:
+            with conn.cursor() as cursor:
+                cursor.execute(for_paramstyle(sql, "format"), params)
+                rows: Rows = cursor.fetchall()
+        except Exception as exc:
+            _translate(exc, q)
+            raise
+        return rows
+
+    return execute
+
+
+def _check_sqlalchemy_dialect(bind: Any) -> None:
+    """Refuse a non-PostgreSQL engine or a driver whose placeholders we do not render."""
+    dialect = bind.dialect
+    if dialect.name != "postgresql":
+        raise TypeError(
+            f"cannot enqueue on a SQLAlchemy {dialect.name} connection: PostgreSQL only"
+        )
+    if dialect.paramstyle not in ("numeric_dollar", "format", "pyformat"):
+        raise TypeError(
+            f"cannot enqueue through SQLAlchemy's {dialect.driver} driver "
+            f"(paramstyle {dialect.paramstyle}): use asyncpg, psycopg or psycopg2"
+        )

@@ -1,0 +1,460 @@
+"""The statements producers, consumers and migrations run, named, for one outbox.
+
+Operator, demo and server-wide statements are in `_sql.admin`; the migrations' own SQL
+is in the top-level ``schema/``.
+
+Identifiers are validated to ``[a-z_][a-z0-9_]*`` and always double-quoted; values are
+always bind parameters. Payloads and headers travel as ``text`` and are cast in SQL, so
+a JSON codec the application installed on its pool cannot double-encode them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ..errors import InvalidArgument
+
+__all__ = [
+    "DEFAULT_SCHEMA",
+    "DEFAULT_TABLE",
+    "Queries",
+    "for_paramstyle",
+    "queries",
+    "validate_identifier",
+]
+
+DEFAULT_SCHEMA = "public"
+DEFAULT_TABLE = "outbox_events"
+
+_IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]*\Z")
+_MAX_SCHEMA = 63
+# derived names such as "<table>_claimable_idx" must stay within PostgreSQL's 63 bytes
+_MAX_TABLE = 40
+
+
+def validate_identifier(kind: str, name: object, max_length: int = _MAX_SCHEMA) -> str:
+    """Return ``name`` if it is a safe lower-case SQL identifier, else raise `InvalidArgument`."""
+    if not isinstance(name, str):
+        raise TypeError(f"{kind} name must be a str, not {type(name).__name__}")
+    if not name or len(name) > max_length or not _IDENTIFIER.match(name):
+        shown = name if len(name) <= 80 else name[:77] + "..."
+        raise InvalidArgument(
+            f"invalid {kind} name {shown!r}: use 1-{max_length} characters of lower-case "
+            "letters, digits and underscores, not starting with a digit"
+        )
+    if name.startswith("pg_"):
+        raise InvalidArgument(f"invalid {kind} name {name!r}: the pg_ prefix is reserved")
+    return name
+
+
+_DOLLAR = re.compile(r"\$(\d+)")
+
+
+@lru_cache(maxsize=64)
+def for_paramstyle(sql: str, style: str) -> str:
+    """``sql`` written with ``$1..$n`` placeholders, rendered for a DB-API paramstyle.
+
+    The statements are defined once, in asyncpg's numbering; psycopg, psycopg2, Django
+    and SQLAlchemy's psycopg dialects take ``%s`` in the same positions. Each parameter
+    must appear once, in order, so positional binding stays the same list of values.
+    """
+    if style == "numeric_dollar":
+        return sql
+    if style not in ("format", "pyformat"):
+        raise ValueError(f"unsupported paramstyle {style!r}")
+    numbers = [int(n) for n in _DOLLAR.findall(sql)]
+    if numbers != list(range(1, len(numbers) + 1)):
+        raise ValueError(f"placeholders must appear once each, in order: {numbers}")
+    return _DOLLAR.sub("%s", sql.replace("%", "%%"))
+
+
+def _channel(schema: str, table: str) -> str:
+    # "." cannot occur in a validated identifier, so ("a_b", "c") and ("a", "b_c") differ
+    name = f"aiooutbox.{schema}.{table}"
+    if len(name) <= 63:
+        return name
+    digest = hashlib.sha1(name.encode()).hexdigest()[:12]
+    return f"aiooutbox_{digest}"
+
+
+def _fill(text: str, names: dict[str, str]) -> str:
+    for key, value in names.items():
+        text = text.replace("{{" + key + "}}", value)
+    return text
+
+
+@lru_cache(maxsize=64)
+def queries(schema: str = DEFAULT_SCHEMA, table: str = DEFAULT_TABLE) -> Queries:
+    """The validated, cached statement set for one outbox."""
+    return Queries(
+        validate_identifier("schema", schema), validate_identifier("table", table, _MAX_TABLE)
+    )
+
+
+@dataclass(frozen=True)
+class Queries:
+    schema: str
+    table: str
+
+    # -- names ---------------------------------------------------------------------
+    @property
+    def qualified(self) -> str:
+        return f'"{self.schema}"."{self.table}"'
+
+    @property
+    def idle_table(self) -> str:
+        return f'"{self.schema}"."{self.table}_idle"'
+
+    @property
+    def versions_table(self) -> str:
+        return f'"{self.schema}"."{self.table}_migrations"'
+
+    @property
+    def compat_versions_table(self) -> str:
+        return f'"{self.schema}"."{self.table}_migrations_compat"'
+
+    @property
+    def status_type(self) -> str:
+        return f'"{self.schema}"."{self.table}_status"'
+
+    @property
+    def channel(self) -> str:
+        return _channel(self.schema, self.table)
+
+    def render(self, template: str) -> str:
+        """Fill a migration file's placeholders with this outbox's names.
+
+        In comment lines they become ``<schema>``: the files' own notes about their
+        placeholders must not come out as ``-- Placeholders: public, outbox_events``,
+        nor keep braces that a templating migration tool would trip on.
+        """
+        names = {"schema": self.schema, "table": self.table, "channel": self.channel}
+        return "".join(
+            _fill(line, {k: f"<{k}>" for k in names})
+            if line.lstrip().startswith("--")
+            else _fill(line, names)
+            for line in template.splitlines(keepends=True)
+        )
+
+    # -- migrations ----------------------------------------------------------------
+    @property
+    def create_schema(self) -> str:
+        return f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"'
+
+    @property
+    def schema_exists(self) -> str:
+        return "SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)"
+
+    @property
+    def create_versions_table(self) -> str:
+        return (
+            f"CREATE TABLE IF NOT EXISTS {self.versions_table} ("
+            " version INT PRIMARY KEY, name TEXT NOT NULL,"
+            " applied_at TIMESTAMPTZ NOT NULL DEFAULT now())"
+        )
+
+    @property
+    def create_compat_versions_table(self) -> str:
+        # migrations that declare the oldest schema version whose code still works on them
+        return (
+            f"CREATE TABLE IF NOT EXISTS {self.compat_versions_table} ("
+            " version INT PRIMARY KEY, name TEXT NOT NULL, compatible_with INT NOT NULL,"
+            " applied_at TIMESTAMPTZ NOT NULL DEFAULT now())"
+        )
+
+    @property
+    def compat_versions(self) -> str:
+        return f"SELECT version, compatible_with FROM {self.compat_versions_table}"
+
+    @property
+    def record_compat_version(self) -> str:
+        return (
+            f"INSERT INTO {self.compat_versions_table} (version, name, compatible_with)"
+            " VALUES ($1, $2, $3)"
+        )
+
+    @property
+    def versions_table_exists(self) -> str:
+        return "SELECT to_regclass($1) IS NOT NULL"
+
+    @property
+    def applied_versions(self) -> str:
+        return f"SELECT version FROM {self.versions_table} ORDER BY version"
+
+    @property
+    def record_version(self) -> str:
+        return f"INSERT INTO {self.versions_table} (version, name) VALUES ($1, $2)"
+
+    @property
+    def advisory_xact_lock(self) -> str:
+        return "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))"
+
+    # -- producer ------------------------------------------------------------------
+    # Written once with $n placeholders; `for_paramstyle` renders them for %s drivers.
+    @property
+    def insert_one(self) -> str:
+        # $1 topic, $2 payload json, $3 dedupe_key, $4 headers json, $5 max_attempts,
+        # $6 available_at (absolute) or NULL, $7 delay seconds, $8 ordering_key
+        return (
+            f"INSERT INTO {self.qualified}"
+            " (topic, payload, dedupe_key, headers, max_attempts, available_at, ordering_key)"
+            " VALUES ($1, $2::text::jsonb, $3, $4::text::jsonb, $5,"
+            " COALESCE($6::timestamptz, now() + make_interval(secs => $7::float8)), $8::text)"
+            " ON CONFLICT (dedupe_key) DO NOTHING RETURNING id"
+        )
+
+    @property
+    def insert_many(self) -> str:
+        return (
+            f"INSERT INTO {self.qualified}"
+            " (topic, payload, dedupe_key, headers, max_attempts, available_at, ordering_key)"
+            " SELECT u.topic, u.payload::jsonb, u.dedupe_key, u.headers::jsonb, u.max_attempts,"
+            " COALESCE(u.available_at, now() + make_interval(secs => u.delay)), u.ordering_key"
+            " FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int[],"
+            " $6::timestamptz[], $7::float8[], $8::text[])"
+            " WITH ORDINALITY AS u(topic, payload, dedupe_key, headers, max_attempts,"
+            " available_at, delay, ordering_key, ord)"
+            " ORDER BY u.ord"
+            " ON CONFLICT (dedupe_key) DO NOTHING RETURNING id, dedupe_key, ordering_key"
+        )
+
+    # -- consumer ------------------------------------------------------------------
+    # The claim and the settlements are functions (migrations 0002, 0005, 0006, 0008) whose SET
+    # clauses pin them to index plans: a generic plan made while the table was small
+    # would otherwise scan the whole table on every call once the backlog grows.
+    def _function(self, name: str) -> str:
+        return f'"{self.schema}"."{self.table}_{name}"'
+
+    @property
+    def claim(self) -> str:
+        # $1 worker id, $2 lease seconds, $3 topics (NULL: every topic), $4 limit,
+        # $5 byte cap, $6 run length behind an ordered head (0: heads only), $7 rows all
+        # runs may take together; the claimed rows are `ClaimedRow`'s columns (0006)
+        return (
+            f"SELECT * FROM {self._function('claim_v6')}"
+            "($1, $2::float8, $3::text[], $4::int, $5::bigint, $6::int, $7::int)"
+        )
+
+    @property
+    def claim_after(self) -> str:
+        # the claim, starting after a watermark: $8 available_at, $9 id
+        return (
+            f"SELECT * FROM {self._function('claim_v6')}"
+            "($1, $2::float8, $3::text[], $4::int, $5::bigint, $6::int, $7::int,"
+            " $8::timestamptz, $9::bigint)"
+        )
+
+    @property
+    def settle_done(self) -> str:
+        # fenced: only the claim this worker holds, on the attempt it claimed
+        # $1 ids, $2 worker id, $3 attempts; returns (settled, promoted, skipped keys)
+        return f"SELECT * FROM {self._function('settle_done_v5')}($1::bigint[], $2, $3::int)"
+
+    @property
+    def settle_failed(self) -> str:
+        # $1 ids, $2 delays (s), $3 errors, $4 outcomes (see 0005), $5 worker id,
+        # $6 attempts; returns (settled, promoted, skipped keys)
+        return (
+            f"SELECT * FROM {self._function('settle_failed_v5')}($1::bigint[], $2::float8[],"
+            " $3::text[], $4::text[], $5, $6::int)"
+        )
+
+    @property
+    def promote(self) -> str:
+        # $1 keys whose next waiting event may be due; returns (promoted, skipped keys)
+        return f"SELECT * FROM {self._function('promote')}($1::text[])"
+
+    @property
+    def promote_orphans(self) -> str:
+        return f"SELECT * FROM {self._function('promote_orphans')}()"
+
+    @property
+    def extend_leases(self) -> str:
+        # $1 ids, $2 worker id, $3 lease seconds
+        return (
+            f"UPDATE {self.qualified}"
+            " SET lease_expires_at = now() + make_interval(secs => $3::float8)"
+            " WHERE id = ANY ($1::bigint[]) AND status = 'processing' AND locked_by = $2"
+            " RETURNING id"
+        )
+
+    @property
+    def recover_expired(self) -> str:
+        # $1 batch limit; rows (id, topic, new status, worker that lost the lease)
+        return (
+            f"SELECT * FROM {self._function('requeue_v5')}(NULL, '{{}}', $1::int,"
+            " 'lease expired: the worker stopped renewing it')"
+        )
+
+    @property
+    def release_orphans(self) -> str:
+        # $1 worker id, $2 ids this worker holds: rows claimed under our id whose claim
+        # reply never reached us go back to retry at once (through the lease index,
+        # which holds only rows being processed); a release never sends a row to dead
+        return (
+            f"SELECT * FROM {self._function('requeue_v5')}($1, $2::bigint[], 0,"
+            " 'released: the claim reply never reached its worker')"
+        )
+
+    @property
+    def next_available(self) -> str:
+        # seconds until the earliest claimable row of these topics becomes due: one
+        # probe of the topic-first index per topic, so a topic's backlog never slows
+        # another's; rows a raw SQL producer scheduled at +-infinity neither break the
+        # subtraction nor count as due
+        return (
+            "SELECT extract(epoch FROM (min(greatest(n.at, now())) - now()))::float8"
+            " FROM unnest($1::text[]) AS t(topic) CROSS JOIN LATERAL ("
+            f" SELECT c.available_at AS at FROM {self.qualified} AS c"
+            "  WHERE c.status IN ('pending', 'retry') AND c.topic = t.topic"
+            "  AND c.available_at < 'infinity' ORDER BY c.available_at LIMIT 1) AS n"
+        )
+
+    @property
+    def next_available_any(self) -> str:
+        # the same over every topic (relays): the topics found by a skip scan
+        return (
+            "WITH RECURSIVE t(topic) AS ("
+            f" (SELECT topic FROM {self.qualified} WHERE status IN ('pending', 'retry')"
+            "  ORDER BY topic LIMIT 1)"
+            " UNION ALL SELECT (SELECT c.topic FROM"
+            f"  {self.qualified} AS c WHERE c.status IN ('pending', 'retry')"
+            "  AND c.topic > t.topic ORDER BY c.topic LIMIT 1) FROM t WHERE t.topic IS NOT NULL)"
+            " SELECT extract(epoch FROM (min(greatest(n.at, now())) - now()))::float8"
+            " FROM t CROSS JOIN LATERAL ("
+            f" SELECT c.available_at AS at FROM {self.qualified} AS c"
+            "  WHERE c.status IN ('pending', 'retry') AND c.topic = t.topic"
+            "  AND c.available_at < 'infinity' ORDER BY c.available_at LIMIT 1) AS n"
+            " WHERE t.topic IS NOT NULL"
+        )
+
+    @property
+    def idle_probe(self) -> str:
+        # before an idle wait, in one round trip: `next_available` ($1 topics) and
+        # whether another session holds the table's write lock (`open_writers`)
+        return f"SELECT ({self.next_available}) AS due, ({self.open_writers}) > 0 AS writers"
+
+    @property
+    def idle_probe_any(self) -> str:
+        # the same for a consumer of every topic
+        return f"SELECT ({self.next_available_any}) AS due, ({self.open_writers}) > 0 AS writers"
+
+    @property
+    def open_writers(self) -> str:
+        # other sessions holding the table's write lock (RowExclusiveLock, taken by
+        # INSERT/UPDATE/DELETE and kept to the end of the transaction); pg_locks is
+        # readable by every role
+        return (
+            "SELECT count(*) FROM pg_catalog.pg_locks"
+            " WHERE locktype = 'relation' AND mode = 'RowExclusiveLock' AND granted"
+            f" AND relation = '{self.qualified}'::regclass"
+            " AND pid <> pg_catalog.pg_backend_pid()"
+        )
+
+    @property
+    def declare_idle(self) -> str:
+        return (
+            f"INSERT INTO {self.idle_table} (worker_id, topics, expires_at)"
+            " VALUES ($1, $2::text[], now() + make_interval(secs => $3::float8))"
+            " ON CONFLICT (worker_id) DO UPDATE"
+            " SET topics = excluded.topics, expires_at = excluded.expires_at"
+        )
+
+    @property
+    def declare_busy(self) -> str:
+        return f"DELETE FROM {self.idle_table} WHERE worker_id = $1"
+
+    @property
+    def purge_expired_idle(self) -> str:
+        return f"DELETE FROM {self.idle_table} WHERE expires_at < now() - interval '1 minute'"
+
+    @property
+    def purge_done(self) -> str:
+        # $1 age seconds, $2 batch size
+        return (
+            f"DELETE FROM {self.qualified} WHERE id = ANY (ARRAY("
+            f" SELECT id FROM {self.qualified}"
+            "  WHERE status = 'done' AND finished_at < now() - make_interval(secs => $1::float8)"
+            "  ORDER BY finished_at LIMIT $2))"
+        )
+
+    @property
+    def notify(self) -> str:
+        return "SELECT pg_notify($1, t) FROM unnest($2::text[]) AS t"
+
+    # -- metrics and the MVCC watchdog (run inside consumers and runners) ------------
+    @property
+    def queue_gauges(self) -> str:
+        # topic, status, rows, seconds since the oldest claimable row became due (NULL:
+        # none is due yet). Only unfinished rows, each status through its partial index:
+        # pending and retry through the topic-first claimable index, processing through
+        # the lease index, waiting (ordered events behind their key's head) through the
+        # key index; the history of done rows costs nothing. Dead rows have no index and
+        # are not counted here (alert on events_total{outcome="dead"}). Rows a raw SQL
+        # producer scheduled at -infinity are due but have no age.
+        return (
+            "SELECT topic, status::text, count(*)::bigint,"
+            " extract(epoch FROM (now() - min(available_at)"
+            "  FILTER (WHERE available_at <= now() AND available_at > '-infinity')))::float8"
+            f" FROM {self.qualified} WHERE status IN ('pending', 'retry')"
+            " GROUP BY topic, status"
+            " UNION ALL"
+            " SELECT topic, 'processing', count(*)::bigint, NULL::float8"
+            f" FROM {self.qualified}"
+            " WHERE lease_expires_at IS NOT NULL AND status = 'processing'"
+            " GROUP BY topic"
+            " UNION ALL"
+            " SELECT topic, 'waiting', count(*)::bigint, NULL::float8"
+            f" FROM {self.qualified}"
+            " WHERE ordering_key IS NOT NULL AND status = 'waiting'"
+            " GROUP BY topic"
+        )
+
+    @property
+    def watchdog_lock(self) -> str:
+        # one consumer per outbox checks at a time; the lock ends with the transaction
+        return "SELECT pg_try_advisory_xact_lock(1870616420, hashtext($1))"
+
+    @property
+    def horizon_holders(self) -> str:
+        # kind, pid, name, state, seconds open (NULL for slots), xid age, detail; the
+        # oldest first. Only what pins this database's tables: its own backends and
+        # prepared transactions (other databases' do not hold back its vacuum), and
+        # slots' xmin (hot_standby_feedback, server-wide); logical slots hold only
+        # catalog_xmin, which never pins the outbox table.
+        return (
+            "SELECT kind, pid, name, state, age_seconds, xid_age, detail FROM ("
+            " SELECT 'backend' AS kind, a.pid, a.application_name AS name, a.state,"
+            "  extract(epoch FROM (now() - coalesce(a.xact_start, a.backend_start)))::float8"
+            "   AS age_seconds,"
+            "  greatest(age(a.backend_xmin), age(a.backend_xid))::bigint AS xid_age,"
+            "  coalesce(a.datname, '') || coalesce(' as ' || a.usename, '')"
+            "   || coalesce(': ' || left(a.query, 120), '') AS detail"
+            " FROM pg_catalog.pg_stat_activity AS a"
+            " WHERE (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)"
+            "  AND a.pid <> pg_catalog.pg_backend_pid()"
+            "  AND a.datname = pg_catalog.current_database()"
+            " UNION ALL"
+            " SELECT 'replication slot', s.active_pid, s.slot_name::text,"
+            "  CASE WHEN s.active THEN 'active' ELSE 'inactive' END, NULL,"
+            "  age(s.xmin)::bigint, s.slot_type || coalesce(' on ' || s.database, '')"
+            " FROM pg_catalog.pg_replication_slots AS s WHERE s.xmin IS NOT NULL"
+            " UNION ALL"
+            " SELECT 'prepared transaction', NULL, p.gid, 'prepared',"
+            "  extract(epoch FROM (now() - p.prepared))::float8, age(p.transaction)::bigint,"
+            "  p.owner::text || ' on ' || p.database::text"
+            " FROM pg_catalog.pg_prepared_xacts AS p"
+            " WHERE p.database = pg_catalog.current_database()"
+            ") AS h ORDER BY xid_age DESC NULLS LAST, age_seconds DESC NULLS LAST LIMIT $1"
+        )
+
+    @property
+    def table_vacuum_stats(self) -> str:
+        # dead tuples, live tuples, last (auto)vacuum of this outbox table
+        return (
+            "SELECT n_dead_tup, n_live_tup, greatest(last_vacuum, last_autovacuum)"
+            " FROM pg_catalog.pg_stat_user_tables WHERE schemaname = $1 AND relname = $2"
+        )

@@ -1,0 +1,142 @@
+"""Connecting from the command line: the DSN or the embedded server, one-line errors.
+
+Every failure to connect is a `CommandError` naming the redacted DSN and the likely
+cause, within `CONNECT_TIMEOUT` seconds; ``--pgbouncer`` turns off asyncpg's
+prepared-statement cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import socket
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import asyncpg
+
+from .. import embedded
+from ..migrations import check_schema, migrate
+from .args import redact
+from .errors import CommandError
+
+logger = logging.getLogger("aiooutbox.cli")
+
+CONNECT_TIMEOUT = 5.0
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+        return f"no answer within {CONNECT_TIMEOUT:g}s"
+    if isinstance(exc, ConnectionRefusedError):
+        return f"{exc} (is PostgreSQL running there?)"
+    if isinstance(exc, socket.gaierror):
+        return f"{exc} (is the host name spelled right?)"
+    return str(exc) or type(exc).__name__
+
+
+def resolve_data_dir(args: argparse.Namespace) -> Path:
+    """``--data-dir`` as given, else the project's (`embedded.default_data_dir`)."""
+    if args.data_dir is None:
+        args.data_dir = embedded.default_data_dir()
+    path: Path = args.data_dir
+    return path
+
+
+async def ensure_embedded(args: argparse.Namespace) -> str:
+    """Start or reuse the embedded server; say loudly when this creates a new one.
+
+    A server this command started is recorded in ``args.started_embedded``, so that
+    `main` stops it again when the command fails.
+    """
+    data_dir = resolve_data_dir(args)
+    fresh = not embedded.initialised(data_dir)
+    running = embedded.status(data_dir) is not None if not fresh else False
+    dsn = await embedded.ensure(data_dir)
+    if not running:
+        args.started_embedded = data_dir
+    if fresh:
+        print(
+            f"{args.prog}: created a new embedded PostgreSQL in {data_dir.resolve()} "
+            "(none there yet; commands run anywhere in this project share it, "
+            "--data-dir or $AIOOUTBOX_DATA_DIR picks another)",
+            file=sys.stderr,
+        )
+    return dsn
+
+
+async def resolve_dsn(args: argparse.Namespace, *, log: bool = False) -> str:
+    """``--dsn`` (or its environment variables), else the embedded server's DSN, announced."""
+    if args.dsn:
+        dsn: str = args.dsn
+        return dsn
+    dsn = await ensure_embedded(args)
+    note = f"using the embedded PostgreSQL in {args.data_dir}: {dsn}"
+    if log:  # a runner: say it once, with how to stop the server
+        logger.info("%s (it keeps running; `%s embedded stop` stops it)", note, args.prog)
+    else:
+        print(f"{args.prog}: {note}", file=sys.stderr)
+    return dsn
+
+
+def _cache(pgbouncer: bool) -> dict[str, Any]:
+    # asyncpg names and caches prepared statements per connection; behind PgBouncer in
+    # transaction mode the next statement may run on another server connection, where
+    # that name does not exist. Without the cache it uses unnamed statements.
+    return {"statement_cache_size": 0} if pgbouncer else {}
+
+
+async def connect(dsn: str, *, pgbouncer: bool = False) -> Any:
+    """One connection, or a one-line `CommandError` within `CONNECT_TIMEOUT` seconds."""
+    try:
+        return await asyncpg.connect(dsn, timeout=CONNECT_TIMEOUT, **_cache(pgbouncer))
+    except Exception as exc:
+        raise CommandError(f"cannot connect to {redact(dsn)}: {_reason(exc)}") from None
+
+
+@contextlib.asynccontextmanager
+async def database(args: argparse.Namespace, *, check: bool = True) -> AsyncIterator[Any]:
+    """A connection to the configured database, its outbox schema checked."""
+    conn = await connect(await resolve_dsn(args), pgbouncer=args.pgbouncer)
+    try:
+        if check:
+            await check_schema(conn, schema=args.schema, table=args.table)
+        yield conn
+    finally:
+        with anyio.CancelScope(shield=True):
+            await conn.close(timeout=5)
+
+
+async def apply_migrations(
+    db: asyncpg.Connection | asyncpg.Pool, args: argparse.Namespace
+) -> list[int]:
+    """`migrate`; safe behind PgBouncer in transaction mode as it is (each step is one
+    transaction holding its own transaction-level advisory lock)."""
+    return await migrate(db, schema=args.schema, table=args.table)
+
+
+@contextlib.asynccontextmanager
+async def open_pool(dsn: str, *, pgbouncer: bool = False) -> AsyncIterator[asyncpg.Pool]:
+    """A small pool, closed on exit.
+
+    A consumer claims, settles and maintains on up to four connections at once; its
+    LISTEN connection is its own.
+    """
+    try:
+        pool = await asyncpg.create_pool(
+            dsn, min_size=1, max_size=5, timeout=CONNECT_TIMEOUT, **_cache(pgbouncer)
+        )
+    except Exception as exc:
+        raise CommandError(f"cannot connect to {redact(dsn)}: {_reason(exc)}") from None
+    try:
+        yield pool
+    finally:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(10) as scope:
+            await pool.close()
+        if scope.cancelled_caught:
+            pool.terminate()

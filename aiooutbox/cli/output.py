@@ -1,0 +1,162 @@
+"""Plain-text rendering for the command line: tables, ages, the stats and dead-letter views."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .._engine.options import ConsumerOptions
+from .._engine.watchdog import MvccReport
+from ..admin import STATUSES, DeadEvent, OutboxStats
+
+__all__ = ["age", "dead_table", "duration", "stats_view", "table"]
+
+
+def age(seconds: float | None) -> str:
+    """``0.42s``, ``12s``, ``3m12s``, ``2h05m``, ``3d04h``; ``-`` for ``None``."""
+    if seconds is None:
+        return "-"
+    if seconds < 10:
+        return f"{max(seconds, 0.0):.2g}s" if seconds < 1 else f"{seconds:.1f}s"
+    whole = int(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    if whole < 86400:
+        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+    return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
+
+
+def duration(seconds: float) -> str:
+    """A duration as the largest unit that divides it: ``7d``, ``12h``, ``90s``, ``0.5s``."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """Columns padded to fit; numbers right-aligned, text left-aligned."""
+    cells = [[str(c) for c in row] for row in rows]
+    numeric = [
+        all(isinstance(row[i], (int, float)) for row in rows) if rows else False
+        for i in range(len(headers))
+    ]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+
+    def line(values: Sequence[str]) -> str:
+        padded = [
+            v.rjust(w) if num else v.ljust(w)
+            for v, w, num in zip(values, widths, numeric, strict=True)
+        ]
+        return "  ".join(padded).rstrip()
+
+    return "\n".join([line(list(headers)), *(line(r) for r in cells)])
+
+
+def _first_line(text: str | None, width: int) -> str:
+    line = (text or "").strip().splitlines()[0] if (text or "").strip() else "-"
+    return line if len(line) <= width else line[: width - 3] + "..."
+
+
+def stats_view(report: OutboxStats, *, hint: str = "") -> str:
+    """The ``stats`` command's text output."""
+    parts = [f"outbox {report.outbox}", ""]
+    if not report.topics:
+        parts.append("no events")
+    else:
+        rows: list[list[object]] = [
+            [t.topic, *(t.counts[s] for s in STATUSES), age(t.lag)] for t in report.topics
+        ]
+        totals = report.totals
+        rows.append(["(all topics)", *(totals[s] for s in STATUSES), age(report.lag)])
+        parts.append(table(["TOPIC", *(s.upper() for s in STATUSES), "LAG"], rows))
+    parts.append("")
+    if report.in_flight:
+        parts.append(
+            table(
+                ["IN FLIGHT BY WORKER", "ROWS", "OLDEST CLAIM"],
+                [[w.worker, w.rows, age(w.oldest_claim_age) + " ago"] for w in report.in_flight],
+            )
+        )
+    else:
+        parts.append("in flight: none")
+    lag = (
+        "nothing waiting"
+        if report.lag is None
+        else f"oldest claimable event waited {age(report.lag)}"
+    )
+    dead = f"dead: {report.dead}"
+    if report.dead:
+        dead += f" (python -m aiooutbox dead list{hint})"
+    parts += [f"lag: {lag}", dead]
+    for u in report.unconsumed:
+        parts.append(
+            f"warning: {u.topic}: {u.waiting} event(s) waiting up to {age(u.lag)} and no "
+            "consumer seen handling the topic (none holds its events, none idle advertises "
+            "it): run one with a handler for it"
+        )
+    for b in report.blocked_keys:
+        why = (
+            f"dead, blocking its key (retry or purge event {b.head_id} to move on)"
+            if b.status == "dead"
+            else f"failing, attempt {b.attempts}, next try {b.available_at:%H:%M:%S}"
+        )
+        parts.append(
+            f"blocked key {b.ordering_key!r}: head event {b.head_id} ({b.topic}) {why}; "
+            f"{b.waiting} event(s) waiting behind it"
+        )
+    if report.mvcc is not None:
+        parts += _mvcc_lines(report.mvcc)
+    return "\n".join(parts)
+
+
+def _mvcc_lines(mvcc: MvccReport) -> list[str]:
+    """The watchdog's view: dead tuples, the horizon's oldest holder, warnings past the
+    consumers' default thresholds."""
+    lines = []
+    if mvcc.dead_tuples is not None:
+        vacuumed = (
+            mvcc.last_vacuum.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+            if (mvcc.last_vacuum)
+            else "never"
+        )
+        lines.append(
+            f"dead tuples: {mvcc.dead_tuples} (live {mvcc.live_tuples}, last vacuum {vacuumed})"
+        )
+    if not mvcc.holders:
+        lines.append("xmin horizon: held by no other session")
+        return lines
+    lines.append(f"xmin horizon: oldest holder {mvcc.holders[0].describe()}")
+    defaults = ConsumerOptions()
+    for holder in mvcc.holders:
+        if holder.pins(defaults.horizon_warning):
+            lines.append(
+                f"warning: the xmin horizon is held by {holder.describe()}: vacuum cannot "
+                "remove the outbox's dead rows while it lasts (docs/deployment.md)"
+            )
+    if mvcc.dead_tuples is not None and mvcc.dead_tuples >= defaults.dead_tuples_warning:
+        lines.append(
+            f"warning: {mvcc.dead_tuples} dead tuples in the outbox table: check the "
+            "horizon and autovacuum (docs/deployment.md)"
+        )
+    return lines
+
+
+def dead_table(events: Sequence[DeadEvent], *, error_width: int = 70) -> str:
+    """The ``dead list`` command's text output."""
+    if not events:
+        return "no dead events"
+    return table(
+        ["ID", "TOPIC", "ATTEMPTS", "DIED", "LAST ERROR"],
+        [
+            [
+                e.id,
+                e.topic,
+                f"{e.attempts}/{e.max_attempts}",
+                e.finished_at.astimezone().strftime("%Y-%m-%d %H:%M:%S") if e.finished_at else "-",
+                _first_line(e.last_error, error_width),
+            ]
+            for e in events
+        ],
+    )
