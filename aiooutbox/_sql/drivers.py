@@ -51,9 +51,11 @@ def _library(conn: object) -> str | None:
     return None
 
 
-def _unsupported(conn: object, accepted: str, hint: str = "") -> TypeError:
+def _unsupported(
+    conn: object, accepted: str, hint: str = "", action: str = "enqueue on"
+) -> TypeError:
     kind = f"{type(conn).__module__}.{type(conn).__qualname__}"
-    return TypeError(f"cannot enqueue on a {kind}: pass {accepted}{hint}")
+    return TypeError(f"cannot {action} a {kind}: pass {accepted}{hint}")
 
 
 def _sqlstate(exc: BaseException) -> str | None:
@@ -88,8 +90,9 @@ def _translate(exc: Exception, q: Queries) -> None:
 # -- async ---------------------------------------------------------------------------------
 
 
-def async_executor(conn: object) -> AsyncExecute:
-    """The executor for an async connection, or `TypeError` listing what is accepted."""
+def async_executor(conn: object, action: str = "enqueue on") -> AsyncExecute:
+    """The executor for an async connection, or `TypeError` listing what is accepted
+    (``action`` names what the caller could not do: "cannot enqueue on a ...")."""
     if isinstance(conn, (asyncpg.Connection, asyncpg.Pool)):
         return _asyncpg(conn)
     library = _library(conn)
@@ -101,15 +104,15 @@ def async_executor(conn: object) -> AsyncExecute:
             return _sqlalchemy_async_session(conn)
         if isinstance(conn, AsyncConnection):
             return _sqlalchemy_async_connection(conn)
-        raise _unsupported(conn, ASYNC_ACCEPTED, sync_hint if _sync_kind(conn) else "")
+        raise _unsupported(conn, ASYNC_ACCEPTED, sync_hint if _sync_kind(conn) else "", action)
     if library == "psycopg":
         import psycopg
 
         if isinstance(conn, psycopg.AsyncConnection):
             return _psycopg_async(conn)
     if library is not None and _sync_kind(conn):
-        raise _unsupported(conn, ASYNC_ACCEPTED, sync_hint)
-    raise _unsupported(conn, ASYNC_ACCEPTED)
+        raise _unsupported(conn, ASYNC_ACCEPTED, sync_hint, action)
+    raise _unsupported(conn, ASYNC_ACCEPTED, action=action)
 
 
 def _asyncpg(conn: asyncpg.Connection | asyncpg.Pool) -> AsyncExecute:
@@ -198,7 +201,7 @@ def _sync_kind(conn: object) -> str | None:
     return None
 
 
-def sync_executor(conn: object) -> SyncExecute:
+def sync_executor(conn: object, action: str = "enqueue on") -> SyncExecute:
     """The executor for a blocking connection, or `TypeError` listing what is accepted."""
     kind = _sync_kind(conn)
     if kind == "sqlalchemy-session":
@@ -210,12 +213,12 @@ def sync_executor(conn: object) -> SyncExecute:
     if kind == "django":
         vendor = getattr(conn, "vendor", None)
         if vendor != "postgresql":
-            raise TypeError(f"cannot enqueue on a Django {vendor} connection: PostgreSQL only")
+            raise TypeError(f"cannot {action} a Django {vendor} connection: PostgreSQL only")
         return _dbapi(conn)
     async_hint = ""
     if isinstance(conn, (asyncpg.Connection, asyncpg.Pool)) or _library(conn):
         async_hint = "; for async connections use `await aiooutbox.enqueue(...)`"
-    raise _unsupported(conn, SYNC_ACCEPTED, async_hint)
+    raise _unsupported(conn, SYNC_ACCEPTED, async_hint, action)
 
 
 def _sqlalchemy_session(session: Any) -> SyncExecute:
