@@ -1,7 +1,7 @@
 """``python -m benchmarks.ab --dsn ADMIN_DSN NAME=CHECKOUT NAME=CHECKOUT ...``
 
 The same no-op drain with different aiooutbox checkouts, side by side: how every
-hot-path change in docs/benchmarks.md was A/B-tested against the commit before it
+hot-path change in docs/benchmarks-history.md was A/B-tested against the commit before it
 (make one with ``git worktree add /tmp/before <commit>``). Each round drains ``--events``
 events once per side, in an order that rotates by round, each in a fresh database and a
 fresh process whose ``PYTHONPATH`` is that checkout; the medians per side and every

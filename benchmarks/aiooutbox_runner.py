@@ -21,8 +21,8 @@ from .common import TOPIC, recreate_database
 
 NAME = "aiooutbox"
 
-# best drain settings found on the 2-core machine (see docs/benchmarks.md, "Prefetch at
-# high concurrency": claiming up to 1,500 rows ahead keeps 500 handlers fed)
+# best drain settings found on the 2-core machine (see docs/benchmarks-history.md,
+# "Prefetch at high concurrency": claiming up to 1,500 rows ahead keeps 500 handlers fed)
 DEFAULT_SETTINGS: dict[str, Any] = {"concurrency": 500, "pool_size": 6, "prefetch": 1500}
 
 _CHUNK = 100_000
