@@ -25,7 +25,7 @@ PUBLIC_ALL = {
 }  # fmt: skip
 PUBLIC_MODULES = {
     "admin", "cli", "consumer", "embedded", "errors", "events", "handlers", "health",
-    "integrations", "metrics", "migrations", "observe", "producer", "relay", "retry",
+    "inbox", "integrations", "metrics", "migrations", "observe", "producer", "relay", "retry",
     "sync", "tracing",
 }  # fmt: skip
 
