@@ -36,12 +36,14 @@ class Handler:
 
 
 class Router(Mapping[str, Handler]):
-    """Collects handlers with a decorator::
+    """Collects handlers with a decorator:
 
+    ```python
     router = aiooutbox.Router()
 
     @router.handler("orders.created", timeout=10)
     async def send_confirmation(event: aiooutbox.Event) -> None: ...
+    ```
     """
 
     def __init__(self) -> None:

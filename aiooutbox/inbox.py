@@ -4,12 +4,14 @@ A relay publishes every event at least once, each copy with the event's ``messag
 (the ``outbox-message-id`` header on Kafka and NATS, the AMQP ``message_id`` property,
 the ``message_id`` field of a Redis entry, ``webhook-id`` on a webhook). A service
 that consumes those messages and writes to its own PostgreSQL records the id in the
-same transaction as its writes::
+same transaction as its writes:
 
-    async with conn.transaction():
-        if await inbox.record(conn, message_id, consumer="billing"):
-            await conn.execute("INSERT INTO invoices ...")  # the work, once
-    await message.ack()
+```python
+async with conn.transaction():
+    if await inbox.record(conn, message_id, consumer="billing"):
+        await conn.execute("INSERT INTO invoices ...")  # the work, once
+await message.ack()
+```
 
 `record` returns True the first time it sees ``message_id`` for ``consumer`` and False
 for a copy already processed, so a message redelivered after a crash between the

@@ -1,22 +1,24 @@
 """aiohttp integration: a ``cleanup_ctx`` helper, typed ``AppKey`` s and a transaction helper.
 
 Create the pool in a cleanup context of your own, store it under `POOL`, then append
-`outbox_ctx` after it::
+`outbox_ctx` after it:
 
-    async def database(app: web.Application) -> AsyncIterator[None]:
-        async with asyncpg.create_pool(DSN) as pool:
-            app[POOL] = pool
-            yield
+```python
+async def database(app: web.Application) -> AsyncIterator[None]:
+    async with asyncpg.create_pool(DSN) as pool:
+        app[POOL] = pool
+        yield
 
-    app = web.Application()
-    app.cleanup_ctx.append(database)
-    app.cleanup_ctx.append(outbox_ctx(handlers))
+app = web.Application()
+app.cleanup_ctx.append(database)
+app.cleanup_ctx.append(outbox_ctx(handlers))
 
-    async def create_order(request: web.Request) -> web.Response:
-        async with transaction(request) as conn:
-            order_id = await conn.fetchval("INSERT INTO orders DEFAULT VALUES RETURNING id")
-            await aiooutbox.enqueue(conn, "orders.created", {"order_id": order_id})
-        return web.json_response({"id": order_id}, status=201)
+async def create_order(request: web.Request) -> web.Response:
+    async with transaction(request) as conn:
+        order_id = await conn.fetchval("INSERT INTO orders DEFAULT VALUES RETURNING id")
+        await aiooutbox.enqueue(conn, "orders.created", {"order_id": order_id})
+    return web.json_response({"id": order_id}, status=201)
+```
 
 Cleanup contexts exit in reverse order, so the consumer stops before the pool closes.
 Needs ``pip install aiooutbox[aiohttp]``.

@@ -1,20 +1,22 @@
 """FastAPI (and Starlette) integration: a lifespan helper and request dependencies.
 
-Enter `outbox_lifespan` inside your own lifespan, after creating the pool::
+Enter `outbox_lifespan` inside your own lifespan, after creating the pool:
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with asyncpg.create_pool(DSN) as pool:
-            async with outbox_lifespan(app, pool, handlers):
-                yield
+```python
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async with asyncpg.create_pool(DSN) as pool:
+        async with outbox_lifespan(app, pool, handlers):
+            yield
 
-    app = FastAPI(lifespan=lifespan)
+app = FastAPI(lifespan=lifespan)
 
-    @app.post("/orders")
-    async def create_order(conn: TransactionDep) -> dict[str, int]:
-        order_id = await conn.fetchval("INSERT INTO orders DEFAULT VALUES RETURNING id")
-        await aiooutbox.enqueue(conn, "orders.created", {"order_id": order_id})
-        return {"id": order_id}
+@app.post("/orders")
+async def create_order(conn: TransactionDep) -> dict[str, int]:
+    order_id = await conn.fetchval("INSERT INTO orders DEFAULT VALUES RETURNING id")
+    await aiooutbox.enqueue(conn, "orders.created", {"order_id": order_id})
+    return {"id": order_id}
+```
 
 `TransactionDep` is a pooled connection inside a transaction that commits when the
 endpoint returns, before the response is sent, and rolls back if it raises (an
