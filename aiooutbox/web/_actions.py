@@ -126,7 +126,6 @@ async def act(request: Request) -> Response:
                     request, "refused.html", status_code=400, reason="confirm the count first"
                 )
             where, args = f.where(cursor=False)
-            where = where.replace("{status_type}", q.status_type)
             ids = [r[0] for r in await conn.fetch(d.w.event_ids(where), *args)]
             target = {"filter": f.params(include_cursor=False), "max_id": f.max_id}
         else:

@@ -14,7 +14,7 @@ from typing import Any
 __all__ = ["Count", "estimate_rows", "exact", "estimated"]
 
 # rows a count may visit before the dashboard settles for an estimate
-BOUND = 100_000
+BOUND = 50_000
 
 
 @dataclass(frozen=True)

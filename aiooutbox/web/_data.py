@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
-from collections import Counter
+import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+import asyncpg
+
+from .._reports import STATUSES
 from .._watchdog import MvccReport, inspect_mvcc
 from ._counts import BOUND, Count, bounded, estimate_rows, estimated, exact
 from ._filters import PAGE, WINDOW, EventFilter
@@ -17,8 +20,11 @@ __all__ = ["Overview", "TopicRow", "event_page", "load_event", "overview"]
 
 HOUR = 3600.0
 DAY = 86400.0
-SAMPLE = 20_000  # newest done events read to split a window's total by topic
-WINDOW_BOUND = 2_000_000  # done events a window count may visit (index-only)
+# pages of the table read at random for the numbers no index gives cheaply (about
+# 30 rows a page: ~12 MB, 30-100 ms here); a table this small is read whole
+SAMPLE_PAGES = 1500
+# how long a page may spend counting its matches exactly before it estimates
+COUNT_TIME = 0.1
 
 
 @dataclass
@@ -71,27 +77,13 @@ class Overview:
     extra_columns: list[tuple[str, str]] = field(default_factory=list)
 
 
-def _by_topic(rows: list[Any]) -> dict[str, int]:
-    return {r[0]: int(r[1]) for r in rows}
-
-
-async def _bounded_by_topic(
-    conn: Any, sql: str, *args: object, bound: int = BOUND
-) -> tuple[dict[str, int], bool]:
-    rows = _by_topic(await conn.fetch(sql, *args, bound))
-    return rows, sum(rows.values()) < bound
-
-
-async def _status_estimates(conn: Any, w: WebQueries) -> tuple[float, dict[str, float]]:
-    """reltuples and each status's share as ANALYZE saw it."""
-    q = w.outbox
-    row = await conn.fetchrow(w.table_estimate, q.schema, q.table, q.qualified)
-    total = max(float(row[0] or 0.0), 0.0)
-    shares: dict[str, float] = {}
-    if row[1]:
-        names = row[1].strip("{}").split(",")
-        shares = dict(zip(names, row[2] or [], strict=False))
-    return total, shares
+async def _sample(conn: Any, w: WebQueries) -> tuple[float, bool, list[Any]]:
+    """Rows by topic and status in a random sample of about `SAMPLE_PAGES` pages
+    (every page of a small table: then the numbers are exact)."""
+    pages = await conn.fetchval(w.pages, w.outbox.qualified)
+    percent = 100.0 if pages <= SAMPLE_PAGES else max(SAMPLE_PAGES / pages * 100.0, 0.01)
+    sample = await conn.fetch(w.sample, percent, float(int(time.time() // 600)))
+    return 100.0 / percent, percent >= 100.0, sample
 
 
 async def overview(conn: Any, w: WebQueries) -> Overview:
@@ -101,39 +93,69 @@ async def overview(conn: Any, w: WebQueries) -> Overview:
     def row(name: str) -> TopicRow:
         return topics.setdefault(name, TopicRow(name))
 
-    for record in await conn.fetch(w.claimable_by_topic):
-        r = row(record[0])
-        r.pending, r.due, r.lag = exact(record[1]), exact(record[2]), record[3]
-    retry, retry_exact = await _bounded_by_topic(conn, w.retry_by_topic)
-    for topic, n in retry.items():
-        r = row(topic)
-        r.retry = Count(n, retry_exact)
-        r.pending = Count(max(r.pending.value - n, 0), retry_exact)
-    for topic, n in await conn.fetch(w.processing_by_topic):
-        row(topic).processing = exact(n)
-    waiting, waiting_exact = await _bounded_by_topic(conn, w.waiting_by_topic)
-    for topic, n in waiting.items():
-        row(topic).waiting = Count(n, waiting_exact)
-    dead, dead_exact = await _bounded_by_topic(conn, w.dead_by_topic)
-    for topic, n in dead.items():
-        row(topic).dead = Count(n, dead_exact)
-    died, died_exact = await _bounded_by_topic(conn, w.failed_since, DAY)
-    for topic, n in died.items():
-        row(topic).died_day = Count(n, died_exact)
+    # 1. every number from a sample of the table (exact when the sample is the table)
+    scale, whole, sample = await _sample(conn, w)
 
-    reltuples, shares = await _status_estimates(conn, w)
-    done_total = reltuples * shares.get("done", 0.0)
-    hour, hour_topics = await _window(conn, w, HOUR)
-    day, day_topics = await _window(conn, w, DAY)
-    for name, in_hour in hour_topics.items():
-        row(name).done_hour = in_hour
-    for name, in_day in day_topics.items():
-        row(name).done_day = in_day
-    # done per topic: the table's done estimate split like the last day's throughput
-    day_sum = sum(c.value for c in day_topics.values())
-    for r in topics.values():
-        share = r.done_day.value / day_sum if day_sum else 1 / max(len(topics), 1)
-        r.done = estimated(done_total * share)
+    def counted(n: float) -> Count:
+        return exact(int(n)) if whole else estimated(n * scale)
+
+    hourly = [0] * 24
+    for topic, status, hour, n, died, due in sample:
+        r = row(topic)
+        if status in STATUSES:
+            setattr(r, status, getattr(r, status) + counted(n))
+        if hour is not None:
+            r.done_day += counted(n)
+            if hour == 0:
+                r.done_hour += counted(n)
+            hourly[min(max(hour, 0), 23)] += n
+        r.died_day += counted(died)
+        r.due += counted(due)
+    hourly_counts = [counted(hourly[h]) for h in range(23, -1, -1)]
+
+    # 2. exact counts wherever an index reaches the rows within the bound
+    # (skipped when the sample already shows far more than the bound)
+    def few(*names: str) -> bool:
+        total: int = sum(getattr(r, n).value for r in topics.values() for n in names)
+        return total < 2 * BOUND
+
+    if not whole:
+        if few("pending", "retry") and await conn.fetchval(w.claimable_count, BOUND) < BOUND:
+            for r in topics.values():
+                r.pending = r.retry = r.due = exact(0)
+            for topic, pending, retry, due in await conn.fetch(w.claimable_by_topic):
+                r = row(topic)
+                r.pending, r.retry, r.due = exact(pending), exact(retry), exact(due)
+        for status, sql in (
+            ("processing", w.processing_by_topic),
+            ("waiting", w.waiting_by_topic),
+        ):
+            found = {t: int(n) for t, n in await conn.fetch(sql, BOUND)}
+            if sum(found.values()) < BOUND:
+                for r in topics.values():
+                    setattr(r, status, exact(found.pop(r.topic, 0)))
+                for topic, n in found.items():
+                    setattr(row(topic), status, exact(n))
+        dead = {t: (int(n), int(d)) for t, n, d in await conn.fetch(w.dead_by_topic, BOUND)}
+        if sum(n for n, _ in dead.values()) < BOUND:
+            for r in topics.values():
+                r.dead, r.died_day = (exact(x) for x in dead.pop(r.topic, (0, 0)))
+            for topic, (n, d) in dead.items():
+                row(topic).dead, row(topic).died_day = exact(n), exact(d)
+        if few("done_day") and await conn.fetchval(w.finished_since, DAY, BOUND) < BOUND:
+            for r in topics.values():
+                r.done_hour = r.done_day = exact(0)
+            by_hour = [0] * 24
+            for topic, h, n in await conn.fetch(w.finished_by_topic, DAY):
+                r = row(topic)
+                r.done_day = exact(r.done_day.value + n)
+                if h == 0:
+                    r.done_hour = exact(r.done_hour.value + n)
+                by_hour[min(max(h, 0), 23)] += n
+            hourly_counts = [exact(by_hour[h]) for h in range(23, -1, -1)]
+    # 3. the lag of every topic with claimable events, exact (a skip scan)
+    for topic, lag in await conn.fetch(w.topic_lags):
+        row(topic).lag = lag if lag is not None and lag >= 0 else None
 
     workers = await _workers(conn, w)
     listeners = [
@@ -152,64 +174,31 @@ async def overview(conn: Any, w: WebQueries) -> Overview:
     rows = sorted(topics.values(), key=lambda r: r.topic)
     totals = {
         name: sum((getattr(r, name) for r in rows), exact(0))
-        for name in ("pending", "retry", "due", "processing", "waiting", "dead", "died_day")
+        for name in (
+            "pending",
+            "retry",
+            "due",
+            "processing",
+            "waiting",
+            "dead",
+            "died_day",
+            "done",
+            "done_hour",
+            "done_day",
+        )
     }
-    totals["done"] = estimated(done_total)
     return Overview(
         topics=rows,
         totals=totals,
-        done_hour=hour,
-        done_day=day,
-        hourly=await _hourly(conn, w, day),
+        done_hour=totals["done_hour"],
+        done_day=totals["done_day"],
+        hourly=hourly_counts,
         workers=workers,
         listeners=listeners,
         hidden_sessions=hidden,
         mvcc=mvcc,
-        table_rows=estimated(reltuples),
+        table_rows=sum((getattr(r, s) for r in rows for s in STATUSES), exact(0)),
     )
-
-
-async def _window(conn: Any, w: WebQueries, seconds: float) -> tuple[Count, dict[str, Count]]:
-    """Done events finished in the last ``seconds``: the total (exact up to a bound) and
-    by topic (exact when the newest `SAMPLE` cover the window, else a proportional
-    estimate from them)."""
-    total = int(await conn.fetchval(w.finished_since, seconds, WINDOW_BOUND))
-    if total >= WINDOW_BOUND:
-        explain = (
-            f"EXPLAIN (FORMAT JSON) SELECT 1 FROM {w.t} WHERE status = 'done'"
-            " AND finished_at > now() - make_interval(secs => $1::float8)"
-        )
-        count = estimated(max(await estimate_rows(conn, explain, seconds), total))
-    else:
-        count = exact(total)
-    sample = await conn.fetch(w.finished_sample, seconds, SAMPLE)
-    by_topic = Counter(r[0] for r in sample)
-    if len(sample) >= total:
-        return count, {t: exact(n) for t, n in by_topic.items()}
-    scale = count.value / max(len(sample), 1)
-    return count, {t: estimated(n * scale) for t, n in by_topic.items()}
-
-
-async def _hourly(conn: Any, w: WebQueries, day: Count) -> list[Count]:
-    """Done per hour over the last day, oldest first: exact when the day was counted
-    exactly, else the planner's estimate for each hour."""
-    sql = (
-        f"SELECT floor(extract(epoch FROM (now() - finished_at)) / 3600)::int, count(*)"
-        f" FROM {w.t} WHERE status = 'done'"
-        " AND finished_at > now() - interval '1 day' GROUP BY 1"
-    )
-    if day.exact and day.value <= WINDOW_BOUND // 4:
-        counts = {int(h): int(n) for h, n in await conn.fetch(sql)}
-        return [exact(counts.get(h, 0)) for h in range(23, -1, -1)]
-    explain = (
-        f"EXPLAIN (FORMAT JSON) SELECT 1 FROM {w.t} WHERE status = 'done'"
-        " AND finished_at > now() - make_interval(secs => $1::float8)"
-        " AND finished_at <= now() - make_interval(secs => $2::float8)"
-    )
-    out = []
-    for h in range(23, -1, -1):
-        out.append(estimated(await estimate_rows(conn, explain, (h + 1) * HOUR, h * HOUR)))
-    return out
 
 
 async def _workers(conn: Any, w: WebQueries) -> list[Worker]:
@@ -235,15 +224,20 @@ class EventPage:
 
 
 def _where(w: WebQueries, f: EventFilter, **kwargs: Any) -> tuple[str, list[Any]]:
-    where, args = f.where(**kwargs)
-    return where.replace("{status_type}", w.outbox.status_type), args
+    return f.where(**kwargs)
 
 
 async def count_matching(conn: Any, w: WebQueries, f: EventFilter) -> Count:
-    """How many events match: counted up to `BOUND` through an index, else estimated."""
+    """How many events match: counted exactly when an index finds fewer than `BOUND`
+    within `COUNT_TIME`, else the planner's estimate."""
     where, args = _where(w, f, cursor=False)
     if f.indexed:
-        n = int(await conn.fetchval(w.event_count(where, len(args) + 1), *args, BOUND))
+        try:
+            async with conn.transaction():
+                await conn.execute(f"SET LOCAL statement_timeout = {int(COUNT_TIME * 1000)}")
+                n = int(await conn.fetchval(w.event_count(where, len(args) + 1), *args, BOUND))
+        except asyncpg.QueryCanceledError:
+            n = BOUND
         if n < BOUND:
             return exact(n)
     return bounded(BOUND, BOUND, await estimate_rows(conn, w.explain_count(where), *args))

@@ -50,31 +50,69 @@ class WebQueries:
 
     # -- overview -------------------------------------------------------------------
     @property
-    def claimable_by_topic(self) -> str:
-        # topic, queued (pending + retry), due now, oldest due: an index-only scan of the
-        # topic-first claim index
+    def sample(self) -> str:
+        # $1 percent of the table's pages, chosen at random by the seed $2 (TABLESAMPLE
+        # SYSTEM; one seed for ten minutes: the same pages, cached, and numbers that do
+        # not jitter between refreshes): rows by
+        # topic, status and, for those done in the last day, the hour they finished in
+        # (0 = this hour); died in the last day; due now. 100 percent reads every row.
         return (
-            "SELECT topic, count(*), count(*) FILTER (WHERE available_at <= now()),"
-            " extract(epoch FROM (now() - min(available_at)"
-            "  FILTER (WHERE available_at <= now())))::float8"
+            "SELECT topic, status::text, hour, count(*),"
+            " count(*) FILTER (WHERE status = 'dead' AND finished_at > now() - interval '1 day'),"
+            " count(*) FILTER (WHERE status IN ('pending', 'retry') AND available_at <= now())"
+            " FROM (SELECT topic, status, finished_at, available_at,"
+            "  CASE WHEN status = 'done' AND finished_at > now() - interval '1 day'"
+            "   THEN floor(extract(epoch FROM (now() - finished_at)) / 3600)::int END AS hour"
+            f"  FROM {self.t} TABLESAMPLE SYSTEM ($1::float4) REPEATABLE ($2::float8)) s"
+            " GROUP BY topic, status, hour"
+        )
+
+    @property
+    def pages(self) -> str:
+        return "SELECT relpages::float8 FROM pg_catalog.pg_class WHERE oid = $1::regclass"
+
+    @property
+    def claimable_count(self) -> str:
+        # $1 bound: pending + retry, index-only on the topic-first claim index
+        return (
+            "SELECT count(*) FROM (SELECT 1 FROM"
+            f" {self.t} WHERE status IN ('pending', 'retry') LIMIT $1) s"
+        )
+
+    @property
+    def claimable_by_topic(self) -> str:
+        # topic, pending, retry, due now (run only when the bounded count says few)
+        return (
+            "SELECT topic, count(*) FILTER (WHERE status = 'pending'),"
+            " count(*) FILTER (WHERE status = 'retry'),"
+            " count(*) FILTER (WHERE available_at <= now())"
             f" FROM {self.t} WHERE status IN ('pending', 'retry') GROUP BY topic"
         )
 
     @property
-    def retry_by_topic(self) -> str:
-        # $1 bound: failing events waiting for their next attempt, through the claim index
+    def topic_lags(self) -> str:
+        # every topic with claimable events and its oldest available_at, by a skip scan
+        # of the topic-first claim index: one descent per topic, however deep
+        claimable = "status IN ('pending', 'retry')"
         return (
-            "SELECT topic, count(*) FROM (SELECT topic FROM"
-            f" {self.t} WHERE status IN ('pending', 'retry') AND status = 'retry' LIMIT $1) s"
-            " GROUP BY topic"
+            "WITH RECURSIVE topics AS ("
+            f" (SELECT topic FROM {self.t} WHERE {claimable} ORDER BY topic LIMIT 1)"
+            " UNION ALL"
+            f" SELECT (SELECT c.topic FROM {self.t} c WHERE c.{claimable}"
+            "  AND c.topic > topics.topic ORDER BY c.topic LIMIT 1)"
+            " FROM topics WHERE topics.topic IS NOT NULL)"
+            " SELECT topic, extract(epoch FROM (now() - (SELECT min(m.available_at)"
+            f"  FROM {self.t} m WHERE m.{claimable} AND m.topic = topics.topic)))::float8"
+            " FROM topics WHERE topic IS NOT NULL"
         )
 
     @property
     def processing_by_topic(self) -> str:
-        # through the lease index (only held rows have a lease)
+        # $1 bound: through the lease index (only held rows have a lease)
         return (
-            f"SELECT topic, count(*) FROM {self.t}"
-            " WHERE lease_expires_at IS NOT NULL AND status = 'processing' GROUP BY topic"
+            "SELECT topic, count(*) FROM (SELECT topic FROM"
+            f" {self.t} WHERE lease_expires_at IS NOT NULL AND status = 'processing' LIMIT $1) s"
+            " GROUP BY topic"
         )
 
     @property
@@ -88,22 +126,12 @@ class WebQueries:
 
     @property
     def dead_by_topic(self) -> str:
-        # $1 bound: through the dead index (0012), index-only
+        # $1 bound: through the dead index (0012), index-only; with those that died in
+        # the last day
         return (
-            "SELECT topic, count(*) FROM (SELECT topic FROM"
-            f" {self.t} WHERE status = 'dead' LIMIT $1) s GROUP BY topic"
-        )
-
-    @property
-    def table_estimate(self) -> str:
-        # the planner's row count and the status and topic frequencies ANALYZE saw
-        return (
-            "SELECT c.reltuples::float8,"
-            " (SELECT s.most_common_vals::text FROM pg_catalog.pg_stats s"
-            "  WHERE s.schemaname = $1 AND s.tablename = $2 AND s.attname = 'status'),"
-            " (SELECT s.most_common_freqs FROM pg_catalog.pg_stats s"
-            "  WHERE s.schemaname = $1 AND s.tablename = $2 AND s.attname = 'status')"
-            " FROM pg_catalog.pg_class c WHERE c.oid = $3::regclass"
+            "SELECT topic, count(*), count(*) FILTER (WHERE finished_at > now() - interval '1 day')"
+            f" FROM (SELECT topic, finished_at FROM {self.t} WHERE status = 'dead' LIMIT $1) s"
+            " GROUP BY topic"
         )
 
     @property
@@ -117,24 +145,12 @@ class WebQueries:
         )
 
     @property
-    def finished_sample(self) -> str:
-        # $1 seconds, $2 sample size: the topics and hours of the newest done events in
-        # the window (to split a total that was too large to count by topic)
+    def finished_by_topic(self) -> str:
+        # $1 seconds: done in the window by topic and hour (run only when few)
         return (
-            "SELECT topic, extract(epoch FROM (now() - finished_at))::float8 FROM"
-            f" {self.t} WHERE status = 'done'"
-            " AND finished_at > now() - make_interval(secs => $1::float8)"
-            " ORDER BY finished_at DESC LIMIT $2"
-        )
-
-    @property
-    def failed_since(self) -> str:
-        # $1 seconds, $2 bound: events that died in the window (dead index + heap)
-        return (
-            "SELECT topic, count(*) FROM (SELECT topic FROM"
-            f" {self.t} WHERE status = 'dead'"
-            " AND finished_at > now() - make_interval(secs => $1::float8) LIMIT $2) s"
-            " GROUP BY topic"
+            "SELECT topic, floor(extract(epoch FROM (now() - finished_at)) / 3600)::int,"
+            f" count(*) FROM {self.t} WHERE status = 'done'"
+            " AND finished_at > now() - make_interval(secs => $1::float8) GROUP BY 1, 2"
         )
 
     @property
