@@ -48,7 +48,7 @@ _HEADERS = [
     (b"content-security-policy", CSP.encode()),
     (b"x-content-type-options", b"nosniff"),
     (b"x-frame-options", b"DENY"),
-    (b"referrer-policy", b"no-referrer"),
+    (b"referrer-policy", b"same-origin"),
     (b"cache-control", b"no-store"),
 ]
 
@@ -93,7 +93,7 @@ class Dashboard:
         self.title = title
         self.tokens = Tokens(secret)
         self.hub = LiveHub(self.connection, self.w, float(refresh))
-        self.cache = Cache(float(refresh))
+        self.cache = Cache(float(refresh), self.hub.read_pulse)
         self.templates = Environment(
             loader=PackageLoader("aiooutbox.web", "templates"),
             autoescape=select_autoescape(default=True, default_for_string=True),

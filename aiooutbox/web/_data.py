@@ -228,18 +228,18 @@ def _where(w: WebQueries, f: EventFilter, **kwargs: Any) -> tuple[str, list[Any]
 
 
 async def count_matching(conn: Any, w: WebQueries, f: EventFilter) -> Count:
-    """How many events match: counted exactly when an index finds fewer than `BOUND`
-    within `COUNT_TIME`, else the planner's estimate."""
+    """How many events match: counted exactly when fewer than `BOUND` are found within
+    `COUNT_TIME` (an index makes that cheap; a small table too), else the planner's
+    estimate."""
     where, args = _where(w, f, cursor=False)
-    if f.indexed:
-        try:
-            async with conn.transaction():
-                await conn.execute(f"SET LOCAL statement_timeout = {int(COUNT_TIME * 1000)}")
-                n = int(await conn.fetchval(w.event_count(where, len(args) + 1), *args, BOUND))
-        except asyncpg.QueryCanceledError:
-            n = BOUND
-        if n < BOUND:
-            return exact(n)
+    try:
+        async with conn.transaction():
+            await conn.execute(f"SET LOCAL statement_timeout = {int(COUNT_TIME * 1000)}")
+            n = int(await conn.fetchval(w.event_count(where, len(args) + 1), *args, BOUND))
+    except asyncpg.QueryCanceledError:
+        n = BOUND
+    if n < BOUND:
+        return exact(n)
     return bounded(BOUND, BOUND, await estimate_rows(conn, w.explain_count(where), *args))
 
 
@@ -352,9 +352,9 @@ async def load_event(conn: Any, w: WebQueries, event_id: int) -> EventDetail | N
 
 
 async def blocked_keys(conn: Any, w: WebQueries, limit: int = 200) -> list[dict[str, Any]]:
-    heads = [dict(r) for r in await conn.fetch(w.blocked_heads, limit)]
+    heads = [dict(r.items()) for r in await conn.fetch(w.blocked_heads, limit)]
     if heads:
-        keys = [h["ordering_key",] for h in heads]
+        keys = [h["ordering_key"] for h in heads]
         waiting = {k: int(n) for k, n in await conn.fetch(w.waiting_of_keys, keys, BOUND)}
         for h in heads:
             n = waiting.get(h["ordering_key"], 0)
@@ -365,7 +365,7 @@ async def blocked_keys(conn: Any, w: WebQueries, limit: int = 200) -> list[dict[
 async def audit_entries(
     conn: Any, w: WebQueries, before: int | None, limit: int = 100
 ) -> list[dict[str, Any]]:
-    return [dict(r) for r in await conn.fetch(w.audit_list, before, limit)]
+    return [dict(r.items()) for r in await conn.fetch(w.audit_list, before, limit)]
 
 
 def age(seconds: float | None) -> str:

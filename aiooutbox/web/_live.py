@@ -105,12 +105,16 @@ class Cache:
 
     COST_FACTOR = 25
 
-    def __init__(self, ttl: float) -> None:
+    def __init__(self, ttl: float, pulse: Callable[[], Awaitable[str]]) -> None:
         self._ttl = ttl
-        self._entries: dict[tuple[Any, ...], tuple[float, Any]] = {}
+        self._pulse = pulse
+        self._entries: dict[tuple[Any, ...], tuple[float, tuple[Any, str]]] = {}
         self._locks: dict[tuple[Any, ...], asyncio.Lock] = {}
 
-    async def get(self, key: tuple[Any, ...], load: Callable[[], Awaitable[Any]]) -> Any:
+    async def get(
+        self, key: tuple[Any, ...], load: Callable[[], Awaitable[Any]]
+    ) -> tuple[Any, str]:
+        """The view's data and the pulse read just before it (what it is current to)."""
         hit = self._entries.get(key)
         if hit is not None and hit[0] > time.monotonic():
             return hit[1]
@@ -120,7 +124,8 @@ class Cache:
             if hit is not None and hit[0] > time.monotonic():
                 return hit[1]
             started = time.monotonic()
-            value = await load()
+            pulse = await self._pulse()
+            value = (await load(), pulse)
             now = time.monotonic()
             self._entries[key] = (now + max(self._ttl, (now - started) * self.COST_FACTOR), value)
         if len(self._entries) > 256:  # drop expired views

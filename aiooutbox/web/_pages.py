@@ -24,8 +24,8 @@ async def overview(request: Request) -> Response:
         async with d.connection() as conn:
             return await _data.overview(conn, d.w)
 
-    data = await d.cache.get(("overview",), load)
-    return await render(request, "overview.html", o=data, hours=HOURS)
+    data, pulse = await d.cache.get(("overview",), load)
+    return await render(request, "overview.html", pulse=pulse, o=data, hours=HOURS)
 
 
 async def events(request: Request) -> Response:
@@ -38,8 +38,8 @@ async def events(request: Request) -> Response:
         async with d.connection() as conn:
             return await _data.event_page(conn, d.w, f)
 
-    page = await d.cache.get(("events", f.query()), load)
-    return await render(request, "events.html", f=f, page=page, size=PAGE)
+    page, pulse = await d.cache.get(("events", f.query()), load)
+    return await render(request, "events.html", pulse=pulse, f=f, page=page, size=PAGE)
 
 
 async def event(request: Request) -> Response:
@@ -64,8 +64,8 @@ async def dead(request: Request) -> Response:
         async with d.connection() as conn:
             return await _data.event_page(conn, d.w, f)
 
-    page = await d.cache.get(("dead", f.query()), load)
-    return await render(request, "dead.html", f=f, page=page, size=PAGE)
+    page, pulse = await d.cache.get(("dead", f.query()), load)
+    return await render(request, "dead.html", pulse=pulse, f=f, page=page, size=PAGE)
 
 
 async def keys(request: Request) -> Response:
@@ -75,8 +75,8 @@ async def keys(request: Request) -> Response:
         async with d.connection() as conn:
             return await _data.blocked_keys(conn, d.w)
 
-    heads = await d.cache.get(("keys",), load)
-    return await render(request, "keys.html", heads=heads)
+    heads, pulse = await d.cache.get(("keys",), load)
+    return await render(request, "keys.html", pulse=pulse, heads=heads)
 
 
 async def consumers(request: Request) -> Response:
@@ -86,8 +86,8 @@ async def consumers(request: Request) -> Response:
         async with d.connection() as conn:
             return await _data.overview(conn, d.w)
 
-    data = await d.cache.get(("overview",), load)
-    return await render(request, "consumers.html", o=data)
+    data, pulse = await d.cache.get(("overview",), load)
+    return await render(request, "consumers.html", pulse=pulse, o=data)
 
 
 async def audit(request: Request) -> Response:

@@ -61,13 +61,14 @@ async def render(
     dashboard = dashboard_of(request)
     partial = request.headers.get("x-dashboard-partial") == "1"
     pulse = context.pop("pulse", None)
-    if pulse is None and not partial:
+    if pulse is None:
         pulse = await dashboard.hub.read_pulse()
     page = dashboard.templates.get_template(template)
     html = page.render(
         request=request,
         partial=partial,
-        pulse=pulse or "",
+        pulse=pulse,
+        refresh_ms=int(dashboard.hub.interval * 1000),
         title=dashboard.title,
         nav=NAV,
         path=request.url.path[len(request.scope.get("root_path", "")) :] or "/",
@@ -89,4 +90,5 @@ async def render(
         ),
         **context,
     )
-    return HTMLResponse(html, status_code=status_code)
+    # what the data is current to: a page whose pulse moved on asks again later
+    return HTMLResponse(html, status_code=status_code, headers={"X-Dashboard-Pulse": pulse})

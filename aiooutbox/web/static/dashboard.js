@@ -8,9 +8,12 @@
   var main = document.getElementById("live");
   var state = document.getElementById("live-state");
   if (!body || !main || !window.EventSource) { return; }
-  var pulse = body.getAttribute("data-pulse");
+  var shown = body.getAttribute("data-pulse");  // what the page's data is current to
+  var latest = shown;  // the newest pulse the server pushed
+  var interval = parseInt(body.getAttribute("data-refresh"), 10) || 2000;
   var busy = false;
   var again = false;
+  var later = null;
 
   function interacting() {
     // don't replace a page the operator is working on: ticked boxes, focused fields
@@ -29,8 +32,16 @@
       cache: "no-store"
     }).then(function (response) {
       if (!response.ok) { throw new Error(String(response.status)); }
-      return response.text();
-    }).then(function (html) {
+      var current = response.headers.get("X-Dashboard-Pulse");
+      return response.text().then(function (html) { return [html, current]; });
+    }).then(function (result) {
+      var html = result[0];
+      shown = result[1];
+      if (shown !== latest && later === null) {
+        // the server read this view before the latest change (views are shared for an
+        // interval, longer when slow to read): ask again after an interval
+        later = window.setTimeout(function () { later = null; refresh(); }, interval);
+      }
       if (!interacting()) {
         var doc = new DOMParser().parseFromString("<main>" + html + "</main>", "text/html");
         var fresh = doc.querySelector("main");
@@ -47,10 +58,7 @@
   source.onopen = function () { if (state) { state.className = "live on"; } };
   source.onerror = function () { if (state) { state.className = "live off"; } };
   source.onmessage = function (message) {
-    if (message.data !== pulse) {
-      pulse = message.data;
-      body.setAttribute("data-pulse", pulse);
-      refresh();
-    }
+    latest = message.data;
+    if (latest !== shown) { refresh(); }
   };
 })();
