@@ -47,9 +47,10 @@ async def statuses(dsn: str) -> dict[str, int]:
 async def audit_rows(dsn: str) -> list[asyncpg.Record]:
     conn = await asyncpg.connect(dsn)
     try:
-        return await conn.fetch(
+        rows: list[asyncpg.Record] = await conn.fetch(
             "SELECT actor, action, target::text, affected FROM outbox_events_audit ORDER BY id"
         )
+        return rows
     finally:
         await conn.close()
 
@@ -132,7 +133,7 @@ async def test_cross_origin_or_tokenless_posts_are_refused(dsn: str) -> None:
             stolen = await token(other, d)
         refused.append(await client.post(d.at("/dead/act"), data={**form, "csrf": stolen}))
         # a GET never changes anything
-        refused.append(await client.get(d.at("/dead/act"), params=form))
+        refused.append(await client.get(d.at("/dead/act"), params={"csrf": csrf, "ids": ids}))
         assert [r.status_code for r in refused] == [403] * 7 + [403, 405], [
             r.text[:200] for r in refused
         ]
