@@ -30,7 +30,7 @@ PAGES = [
     ("events topic", "GET", "/events?topic=topic.07", None),
     ("events pending of a topic", "GET", "/events?status=pending&topic=topic.07", None),
     ("events done", "GET", "/events?status=done", None),
-    ("events payload @>", "GET", '/events?payload={"customer":"c-5"}', None),
+    ("events payload @>", "GET", '/events?payload={{"customer":"c-5"}}', None),
     ("events ordering key", "GET", "/events?ordering_key=key-5", None),
     (
         "events time range",
@@ -87,7 +87,7 @@ async def pages(bench: Any, done: int, pending: int, repeat: int) -> dict[str, A
     try:
         done_id = await pool.fetchval("SELECT max(id) FROM outbox_events WHERE id < 9000000")
         waiting_id = await pool.fetchval(
-            "SELECT max(id) FROM outbox_events WHERE ordering_key = 'key-5'"
+            "SELECT max(id) FROM outbox_events WHERE ordering_key = 'key-5' AND status = 'waiting'"
         )
         app = create_app(pool=pool, anonymous="write")
         dashboard = app.state.dashboard

@@ -59,7 +59,12 @@ class Worker:
 
     @property
     def relay(self) -> bool:
-        return self.worker_id.startswith("relay ")
+        return self.worker_id.startswith("relay ") and " @" in self.worker_id
+
+    @property
+    def destination(self) -> str:
+        """``SINK:DESTINATION`` of a relay (see `aiooutbox.relay`'s worker ids)."""
+        return self.worker_id[len("relay ") :].rsplit(" @", 1)[0] if self.relay else ""
 
 
 @dataclass
@@ -157,6 +162,21 @@ async def overview(conn: Any, w: WebQueries) -> Overview:
     for topic, lag in await conn.fetch(w.topic_lags):
         row(topic).lag = lag if lag is not None and lag >= 0 else None
 
+    workers, listeners, hidden = await _consumers(conn, w)
+    mvcc = await inspect_mvcc(conn, q)
+    rows = sorted(topics.values(), key=lambda r: r.topic)
+    return _overview(rows, hourly_counts, workers, listeners, hidden, mvcc)
+
+
+async def consumers(conn: Any, w: WebQueries) -> Overview:
+    """What the consumers page shows: the overview's consumers, listeners and lags."""
+    topics = [TopicRow(topic, lag=lag) for topic, lag in await conn.fetch(w.topic_lags)]
+    workers, listeners, hidden = await _consumers(conn, w)
+    return _overview(topics, [], workers, listeners, hidden, MvccReport())
+
+
+async def _consumers(conn: Any, w: WebQueries) -> tuple[list[Worker], list[dict[str, Any]], int]:
+    q = w.outbox
     workers = await _workers(conn, w)
     listeners = [
         {
@@ -170,8 +190,17 @@ async def overview(conn: Any, w: WebQueries) -> Overview:
         for r in await conn.fetch(w.listeners, f'LISTEN "{q.channel}"')
     ]
     hidden = int(await conn.fetchval(w.hidden_sessions))
-    mvcc = await inspect_mvcc(conn, q)
-    rows = sorted(topics.values(), key=lambda r: r.topic)
+    return workers, listeners, hidden
+
+
+def _overview(
+    rows: list[TopicRow],
+    hourly_counts: list[Count],
+    workers: list[Worker],
+    listeners: list[dict[str, Any]],
+    hidden: int,
+    mvcc: MvccReport,
+) -> Overview:
     totals = {
         name: sum((getattr(r, name) for r in rows), exact(0))
         for name in (
@@ -228,10 +257,13 @@ def _where(w: WebQueries, f: EventFilter, **kwargs: Any) -> tuple[str, list[Any]
 
 
 async def count_matching(conn: Any, w: WebQueries, f: EventFilter) -> Count:
-    """How many events match: counted exactly when fewer than `BOUND` are found within
-    `COUNT_TIME` (an index makes that cheap; a small table too), else the planner's
-    estimate."""
+    """How many events match: counted exactly when an index (or a table of at most
+    `SAMPLE_PAGES` pages) finds fewer than `BOUND` within `COUNT_TIME`, else the
+    planner's estimate."""
     where, args = _where(w, f, cursor=False)
+    if not f.indexed and await conn.fetchval(w.pages, w.outbox.qualified) > SAMPLE_PAGES:
+        # no index to follow and too many rows to read: the planner's word
+        return estimated(await estimate_rows(conn, w.explain_count(where), *args))
     try:
         async with conn.transaction():
             await conn.execute(f"SET LOCAL statement_timeout = {int(COUNT_TIME * 1000)}")

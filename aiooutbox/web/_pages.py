@@ -84,9 +84,9 @@ async def consumers(request: Request) -> Response:
 
     async def load() -> Any:
         async with d.connection() as conn:
-            return await _data.overview(conn, d.w)
+            return await _data.consumers(conn, d.w)
 
-    data, pulse = await d.cache.get(("overview",), load)
+    data, pulse = await d.cache.get(("consumers",), load)
     return await render(request, "consumers.html", pulse=pulse, o=data)
 
 

@@ -27,7 +27,9 @@ HOSTILE = [
     "'><svg onload=alert(4)>",
     "{{7*7}}<style>body{display:none}</style>",
 ]
-_OURS = re.compile(r"^/(|events(/\d+)?|dead(/confirm|/act)?|keys|consumers|audit|live|static/dashboard\.(js|css))$")
+_OURS = re.compile(
+    r"^/(|events(/\d+)?|dead(/confirm|/act)?|keys|consumers|audit|live|static/dashboard\.(js|css))$"
+)
 
 
 async def plant(conn: asyncpg.Connection) -> list[int]:
