@@ -270,6 +270,7 @@ async def test_viewer_role_reads_the_read_only_dashboard_and_changes_nothing(dsn
         [dead, *_] = await aiooutbox.enqueue_many(
             admin, [aiooutbox.NewEvent("t", {"n": i}, ordering_key="k") for i in range(3)]
         )
+        assert dead is not None
         await admin.execute(
             "UPDATE outbox_events SET status = 'dead', blocks_key = true WHERE id = $1", dead
         )
