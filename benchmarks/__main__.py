@@ -30,6 +30,7 @@ SCENARIOS = (
     "ordering",
     "isolation",
     "relay",
+    "dashboard",  # only with --only: it builds a 10M-row database (minutes)
 )
 DEFAULT_OUT = Path("benchmarks/results")
 

@@ -390,6 +390,26 @@ def markdown(results: dict[str, Any]) -> str:
                 f"| {_fmt(row.get('ratio_to_asyncpg'), 2)} |"
             )
 
+    board = results.get("dashboard")
+    if board:
+        lines += [
+            "",
+            f"## Dashboard pages beside {board['rows']:,} rows (server time, cache emptied)",
+            "",
+            "| page | median ms | max ms |",
+            "|---|---:|---:|",
+        ]
+        for name, row in board["pages"].items():
+            lines.append(f"| {name} | {_fmt(row['median_ms'], 1)} | {_fmt(row['max_ms'], 1)} |")
+        drain = board.get("drain")
+        if drain:
+            lines += [
+                "",
+                f"Drain of {drain['events']:,} events with a dashboard open"
+                f" ({drain['browsers']} simulated pages on the overview) / without:"
+                f" {_fmt(drain['ratio'], 3)} (medians of {len(drain['rates_on'])} rounds each).",
+            ]
+
     relay = results.get("relay")
     if relay:
         lines += [

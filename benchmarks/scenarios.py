@@ -39,7 +39,7 @@ import asyncpg
 
 from aiooutbox import OutboxError
 
-from . import aiooutbox_runner, ordering_isolation, pgqueuer_runner
+from . import aiooutbox_runner, dashboard, ordering_isolation, pgqueuer_runner
 from .common import BackendCpu, child_process, free_connections, median, ratio, summarize_ms
 
 AIO = aiooutbox_runner.NAME
@@ -149,6 +149,13 @@ class Config:
     relay_rounds: int = 5
     relay_latency_rate: float = 2000.0
     relay_latency_seconds: float = 10.0
+    # the dashboard scenario (benchmarks/dashboard.py; only with --only dashboard)
+    dashboard_done: int = 9_000_000
+    dashboard_pending: int = 1_000_000
+    dashboard_repeat: int = 5
+    dashboard_drain: int = 200_000
+    dashboard_rounds: int = 4
+    dashboard_browsers: int = 3
 
     @classmethod
     def quick(cls) -> Config:
@@ -167,6 +174,11 @@ class Config:
             relay_events=5_000,
             relay_rounds=2,
             relay_latency_seconds=3.0,
+            dashboard_done=200_000,
+            dashboard_pending=20_000,
+            dashboard_repeat=2,
+            dashboard_drain=20_000,
+            dashboard_rounds=2,
             history_rows=100_000,
             history_drain=5_000,
             history_rounds=1,
@@ -348,6 +360,7 @@ class Bench:
                 "drivers": self.driver_throughput,
                 "observe": self.cost_of_observing,
                 "relay": self.relay,
+                "dashboard": functools.partial(dashboard.run, self),
                 "ordering": functools.partial(ordering_isolation.ordering, self),
                 "isolation": functools.partial(ordering_isolation.isolation, self),
             }

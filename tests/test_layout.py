@@ -26,7 +26,7 @@ PUBLIC_ALL = {
 PUBLIC_MODULES = {
     "admin", "cli", "consumer", "embedded", "errors", "events", "handlers", "health",
     "inbox", "integrations", "metrics", "migrations", "observe", "producer", "relay", "retry",
-    "sync", "tracing",
+    "sync", "tracing", "web",
 }  # fmt: skip
 
 

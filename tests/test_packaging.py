@@ -63,6 +63,14 @@ def test_the_wheel_is_typed_and_complete(wheel: Path) -> None:
         if "__pycache__" not in p.parts
     }
     assert modules <= inside, f"missing from the wheel: {sorted(modules - inside)}"
+    # the dashboard's templates and static files are package data
+    web = PACKAGE / "web"
+    data = {
+        p.relative_to(ROOT).as_posix()
+        for folder in ("templates", "static")
+        for p in (web / folder).iterdir()
+    }
+    assert data and data <= inside, f"missing from the wheel: {sorted(data - inside)}"
     assert not [n for n in inside if n.startswith("tests/") or "__pycache__" in n]
 
 

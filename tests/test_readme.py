@@ -20,7 +20,8 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 DOCS = README.parent / "docs"
 # the pages whose whole-program snippets run here (the others' have tests of their own:
 # web.md in test_examples.py, producers.md in test_examples_adapters.py, relay.md in
-# test_relay_examples.py, deployment.md in test_production.py)
+# test_relay_examples.py, deployment.md in test_production.py, dashboard.md in
+# tests/dashboard/test_mount.py)
 SCRIPTED = {
     path.name: path
     for path in (README, *(DOCS / n for n in ("cli.md", "consuming.md", "ordering.md")))
@@ -41,7 +42,14 @@ SNIPPETS = [
 def test_every_python_snippet_in_the_docs_has_a_test() -> None:
     """A page with a Python snippet is run here or by the test named above for it."""
     assert {name for name, _ in SNIPPETS} == set(SCRIPTED)
-    elsewhere = {"web.md", "producers.md", "relay.md", "deployment.md", "guarantees.md"}
+    elsewhere = {
+        "web.md",
+        "producers.md",
+        "relay.md",
+        "deployment.md",
+        "guarantees.md",
+        "dashboard.md",
+    }
     tested = {f"docs/{name}" for name in elsewhere | set(SCRIPTED)} | {"README.md"}
     pages = [README, README.parent / "examples" / "README.md", *DOCS.rglob("*.md")]
     with_snippets = {

@@ -252,3 +252,56 @@ def _idle_probe(consumer: aiooutbox.OutboxConsumer) -> object:
         return consumer.stats.claims == claims
 
     return idle
+
+
+async def test_viewer_role_reads_the_read_only_dashboard_and_changes_nothing(dsn: str) -> None:
+    """The documented viewer grants are enough for every dashboard page (read-only) and
+    for `stats`; a write is refused by PostgreSQL itself."""
+    import httpx
+
+    from aiooutbox.web import create_app
+
+    role = f"aiooutbox_viewer_{uuid.uuid4().hex[:10]}"
+    admin = await asyncpg.connect(dsn)
+    try:
+        await admin.execute(f'CREATE ROLE "{role}" LOGIN')
+        for statement in documented_grants("viewer", role):
+            await admin.execute(statement)
+        [dead, *_] = await aiooutbox.enqueue_many(
+            admin, [aiooutbox.NewEvent("t", {"n": i}, ordering_key="k") for i in range(3)]
+        )
+        assert dead is not None
+        await admin.execute(
+            "UPDATE outbox_events SET status = 'dead', blocks_key = true WHERE id = $1", dead
+        )
+        pool = await asyncpg.create_pool(as_user(dsn, role), min_size=1, max_size=2)
+        try:
+            app = create_app(pool=pool, read_only=True)
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                for path in (
+                    "/",
+                    "/events",
+                    f"/events/{dead}",
+                    "/dead",
+                    "/keys",
+                    "/consumers",
+                    "/audit",
+                    "/events?status=dead&topic=t",
+                ):
+                    r = await client.get(path)
+                    assert r.status_code == 200, (path, r.text[-2000:])
+            await app.state.dashboard.aclose()
+            assert (await aiooutbox.admin.stats(pool)).topics
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                await aiooutbox.admin.dead_retry(pool, ids=[dead])
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                await pool.execute(
+                    "INSERT INTO outbox_events_audit (actor, action, affected) VALUES ('x', 'y', 0)"
+                )
+        finally:
+            await pool.close()
+    finally:
+        await admin.execute(f'DROP OWNED BY "{role}"')
+        await admin.execute(f'DROP ROLE IF EXISTS "{role}"')
+        await admin.close()

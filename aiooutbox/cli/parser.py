@@ -83,6 +83,10 @@ def build_parser(prog: str = "aiooutbox") -> argparse.ArgumentParser:
 
     add_relay_command(commands, prog)
 
+    from ..web._command import add_dashboard_command  # the web extra loads only when run
+
+    add_dashboard_command(commands, prog)
+
     mig = add_command(
         commands,
         "migrate",

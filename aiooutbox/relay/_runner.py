@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from typing import Any
 
+from .._values.limits import MAX_WORKER_ID
 from ..cli.args import DURATION, POSITIVE_INT, env_default, redact
 from ..cli.connect import apply_migrations, open_pool, resolve_dsn
 from ..cli.consumer_flags import add_consumer_options, build_options
@@ -174,9 +176,12 @@ async def _relay(
         await stack.enter_async_context(observed.queue_gauges(pool, args))
         topics = args.topics or None
         handlers = dict.fromkeys(topics, sink) if topics else {ALL_TOPICS: sink}
-        consumer = OutboxConsumer.from_options(
-            pool, args.consumer_options, observers=observed.observers
+        # the worker id names the relay and its destination: the dashboard (and anyone
+        # reading locked_by or the idle table) can tell relays apart
+        options = dataclasses.replace(
+            args.consumer_options, worker_id=relay_worker_id(sink, args.consumer_options)
         )
+        consumer = OutboxConsumer.from_options(pool, options, observers=observed.observers)
         await sink.start()  # BrokerUnavailable: one line, exit 1
         try:
             async with consumer:
@@ -207,3 +212,11 @@ async def _relay(
         s.released,
     )
     return 0
+
+
+def relay_worker_id(sink: Any, options: Any) -> str:
+    """``relay SINK:DESTINATION @HOST:PID:RANDOM``, the destination cut to fit."""
+    base: str = options.worker_id
+    room = MAX_WORKER_ID - len(base) - len(sink.name) - 9
+    destination = " ".join(str(sink.destination).split())[: max(room, 0)] or "?"
+    return f"relay {sink.name}:{destination} @{base}"

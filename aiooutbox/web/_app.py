@@ -1,0 +1,271 @@
+"""The dashboard as an ASGI application: `create_app` and the request guard.
+
+The guard runs before every route: it decides the request's permission (`_auth`),
+answers 401/403 itself, gives each browser a session cookie (the CSRF token is an HMAC
+of it), and adds the security headers to every response: a Content-Security-Policy
+that allows only our own script and style files, no framing, no referrer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Mapping
+from http.cookies import SimpleCookie
+from typing import Any
+
+import asyncpg
+from jinja2 import Environment, PackageLoader, select_autoescape
+from starlette.applications import Starlette
+from starlette.routing import Mount
+from starlette.staticfiles import StaticFiles
+
+from .._sql.statements import DEFAULT_SCHEMA, DEFAULT_TABLE
+from ..errors import InvalidArgument
+from . import _actions, _pages
+from ._auth import (
+    SESSION_COOKIE,
+    BasicAuth,
+    Permission,
+    Resolver,
+    Tokens,
+    is_loopback,
+    proxied,
+    resolve,
+)
+from ._live import Cache, LiveHub
+from ._sql import web_queries
+
+__all__ = ["CSP", "Dashboard", "create_app"]
+
+logger = logging.getLogger("aiooutbox.web")
+
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:;"
+    " connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+)
+_HEADERS = [
+    (b"content-security-policy", CSP.encode()),
+    (b"x-content-type-options", b"nosniff"),
+    (b"x-frame-options", b"DENY"),
+    (b"referrer-policy", b"same-origin"),
+    (b"cache-control", b"no-store"),
+]
+
+
+class Dashboard:
+    """Everything the routes share: the database, queries, templates, live hub, auth."""
+
+    def __init__(
+        self,
+        *,
+        dsn: str | None,
+        pool: asyncpg.Pool | None,
+        schema: str,
+        table: str,
+        read_only: bool,
+        auth: BasicAuth | Resolver | None,
+        anonymous: Permission | str | None,
+        trace_url: str | None,
+        refresh: float,
+        secret: bytes | None,
+        title: str,
+    ) -> None:
+        if (dsn is None) == (pool is None):
+            raise InvalidArgument("create_app needs exactly one of dsn=... or pool=...")
+        if not isinstance(refresh, (int, float)) or not 0.25 <= refresh <= 3600:
+            raise InvalidArgument(f"refresh must be 0.25-3600 seconds, got {refresh!r}")
+        if trace_url is not None and (
+            not trace_url.startswith(("https://", "http://")) or "{trace_id}" not in trace_url
+        ):
+            raise InvalidArgument(
+                "trace_url must be an http(s) URL containing {trace_id}, e.g. "
+                "https://tempo.example.com/trace/{trace_id}"
+            )
+        self.w = web_queries(schema, table)
+        self.dsn = dsn
+        self._pool = pool
+        self._own_pool = pool is None
+        self.read_only = read_only
+        self.auth = auth
+        self.anonymous = None if anonymous is None else Permission.parse(anonymous)
+        self.trace_url = trace_url
+        self.title = title
+        self.tokens = Tokens(secret)
+        self.hub = LiveHub(self.connection, self.w, float(refresh))
+        self.cache = Cache(float(refresh), self.hub.read_pulse)
+        self.templates = Environment(
+            loader=PackageLoader("aiooutbox.web", "templates"),
+            autoescape=select_autoescape(default=True, default_for_string=True),
+            trim_blocks=True,
+            lstrip_blocks=True,
+        )
+
+    async def pool(self) -> asyncpg.Pool:
+        if self._pool is None:
+            assert self.dsn is not None
+            self._pool = await asyncpg.create_pool(
+                self.dsn,
+                min_size=1,
+                max_size=4,
+                server_settings={
+                    "application_name": "aiooutbox dashboard",
+                    "statement_timeout": "10s",
+                    "jit": "off",
+                },
+            )
+        return self._pool
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[Any]:
+        pool = await self.pool()
+        async with pool.acquire() as conn:
+            yield conn
+
+    async def aclose(self) -> None:
+        """Stop the live updates; close the pool if the dashboard opened it."""
+        await self.hub.close()
+        pool, self._pool = self._pool, None
+        if pool is not None and self._own_pool:
+            await pool.close()
+
+    async def permission(self, scope: dict[str, Any]) -> tuple[Permission, str, bool]:
+        """(permission, actor, ask for credentials) of a request."""
+        from starlette.requests import Request
+
+        client = scope.get("client") or ("?", 0)
+        if isinstance(self.auth, BasicAuth):
+            headers = dict(scope.get("headers", ()))
+            raw = headers.get(b"authorization")
+            found = self.auth.check(raw.decode("latin-1") if raw else None)
+            if found is None:
+                return Permission.NONE, "", True
+            user, permission = found
+            actor = user
+        elif self.auth is not None:
+            permission = await resolve(self.auth, Request(scope))
+            named = scope.get("state", {}).get("dashboard_actor")  # set by the resolver
+            actor = str(named or f"app user at {client[0]}")
+        else:
+            permission = self.anonymous if self.anonymous is not None else self._by_socket(scope)
+            actor = f"anonymous at {client[0]}"
+        if self.read_only:
+            permission = min(permission, Permission.READ)
+        return permission, actor, False
+
+    @staticmethod
+    def _by_socket(scope: Mapping[str, Any]) -> Permission:
+        server = scope.get("server") or ("", 0)
+        if is_loopback(server[0]) and not proxied(scope):
+            return Permission.WRITE
+        return Permission.READ
+
+
+class Guard:
+    """ASGI middleware: permission, session cookie, security headers."""
+
+    def __init__(self, app: Any, dashboard: Dashboard) -> None:
+        self.app = app
+        self.dashboard = dashboard
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        permission, actor, challenge = await self.dashboard.permission(scope)
+        if challenge or permission == Permission.NONE:
+            status = 401 if challenge else 403
+            body = b"authentication required\n" if challenge else b"forbidden\n"
+            headers = [*_HEADERS, (b"content-type", b"text/plain; charset=utf-8")]
+            if challenge:
+                realm = getattr(self.dashboard.auth, "realm", "aiooutbox")
+                headers.append((b"www-authenticate", f'Basic realm="{realm}"'.encode()))
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+            return
+        cookie = SimpleCookie()
+        raw = dict(scope.get("headers", ())).get(b"cookie")
+        if raw:
+            with contextlib.suppress(Exception):
+                cookie.load(raw.decode("latin-1"))
+        session = cookie[SESSION_COOKIE].value if SESSION_COOKIE in cookie else None
+        fresh = session is None
+        if session is None:
+            session = self.dashboard.tokens.new_session()
+        state = scope.setdefault("state", {})
+        state.update(permission=permission, actor=actor, session=session)
+        path = (scope.get("root_path") or "") + "/"
+        secure = "; Secure" if scope.get("scheme") == "https" else ""
+        set_cookie = (
+            f"{SESSION_COOKIE}={session}; Path={path}; HttpOnly; SameSite=Strict{secure}"
+        ).encode()
+
+        async def send_with_headers(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                headers = [
+                    h for h in message.get("headers", []) if h[0].lower() != b"cache-control"
+                ]
+                headers += _HEADERS
+                if fresh:
+                    headers.append((b"set-cookie", set_cookie))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+def create_app(
+    dsn: str | None = None,
+    *,
+    pool: asyncpg.Pool | None = None,
+    schema: str = DEFAULT_SCHEMA,
+    table: str = DEFAULT_TABLE,
+    read_only: bool = False,
+    auth: BasicAuth | Resolver | None = None,
+    anonymous: Permission | str | None = None,
+    trace_url: str | None = None,
+    refresh: float = 2.0,
+    secret: bytes | None = None,
+    title: str = "aiooutbox",
+) -> Starlette:
+    """The dashboard as an ASGI app (Starlette) to serve or mount.
+
+    Pass ``pool`` (yours; the dashboard never closes it) or ``dsn`` (the dashboard opens
+    a small pool of its own; ``await app.state.dashboard.aclose()`` closes it when
+    mounted, since a mounted app's lifespan does not run). ``auth`` is a `BasicAuth`
+    or a callable ``request -> "none" | "read" | "write"`` (sync or async). Without
+    ``auth``, a request gets ``anonymous`` when given, else ``write`` when it arrived
+    on a loopback socket with no proxy header and ``read`` otherwise. ``read_only``
+    caps every request at ``read``. ``trace_url`` (containing ``{trace_id}``) links an
+    event's trace. ``refresh`` is the live update interval in seconds.
+    """
+    dashboard = Dashboard(
+        dsn=dsn,
+        pool=pool,
+        schema=schema,
+        table=table,
+        read_only=read_only,
+        auth=auth,
+        anonymous=anonymous,
+        trace_url=trace_url,
+        refresh=refresh,
+        secret=secret,
+        title=title,
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await dashboard.aclose()
+
+    routes = [
+        *_pages.routes(),
+        *_actions.routes(),
+        Mount("/static", app=StaticFiles(packages=[("aiooutbox.web", "static")]), name="static"),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.dashboard = dashboard
+    app.add_middleware(Guard, dashboard=dashboard)
+    return app

@@ -1,0 +1,64 @@
+// aiooutbox dashboard: live updates. Served as a file (the Content-Security-Policy
+// forbids inline script). The server pushes a "pulse" (server-sent events) when the
+// outbox changed; this page then fetches its own content again and swaps <main>.
+// The HTML comes from our server, rendered with every stored value escaped.
+(function () {
+  "use strict";
+  var body = document.body;
+  var main = document.getElementById("live");
+  var state = document.getElementById("live-state");
+  if (!body || !main || !window.EventSource) { return; }
+  var shown = body.getAttribute("data-pulse");  // what the page's data is current to
+  var latest = shown;  // the newest pulse the server pushed
+  var interval = parseInt(body.getAttribute("data-refresh"), 10) || 2000;
+  var busy = false;
+  var again = false;
+  var later = null;
+
+  function interacting() {
+    // don't replace a page the operator is working on: ticked boxes, focused fields
+    if (main.querySelector("input[type=checkbox]:checked")) { return true; }
+    var active = document.activeElement;
+    return !!(active && main.contains(active) && /^(INPUT|SELECT|TEXTAREA)$/.test(active.tagName));
+  }
+
+  function refresh() {
+    if (busy) { again = true; return; }
+    if (interacting()) { return; }
+    busy = true;
+    fetch(window.location.href, {
+      headers: { "X-Dashboard-Partial": "1" },
+      credentials: "same-origin",
+      cache: "no-store"
+    }).then(function (response) {
+      if (!response.ok) { throw new Error(String(response.status)); }
+      var current = response.headers.get("X-Dashboard-Pulse");
+      return response.text().then(function (html) { return [html, current]; });
+    }).then(function (result) {
+      var html = result[0];
+      shown = result[1];
+      if (shown !== latest && later === null) {
+        // the server read this view before the latest change (views are shared for an
+        // interval, longer when slow to read): ask again after an interval
+        later = window.setTimeout(function () { later = null; refresh(); }, interval);
+      }
+      if (!interacting()) {
+        var doc = new DOMParser().parseFromString("<main>" + html + "</main>", "text/html");
+        var fresh = doc.querySelector("main");
+        main.replaceChildren.apply(main, Array.prototype.slice.call(fresh.childNodes));
+        body.setAttribute("data-refreshed", String(Date.now()));
+      }
+    }).catch(function () { /* the next pulse tries again */ }).then(function () {
+      busy = false;
+      if (again) { again = false; refresh(); }
+    });
+  }
+
+  var source = new EventSource(body.getAttribute("data-live"));
+  source.onopen = function () { if (state) { state.className = "live on"; } };
+  source.onerror = function () { if (state) { state.className = "live off"; } };
+  source.onmessage = function (message) {
+    latest = message.data;
+    if (latest !== shown) { refresh(); }
+  };
+})();

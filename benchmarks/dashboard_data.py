@@ -1,0 +1,137 @@
+"""A dashboard-sized outbox: 10M rows (1M pending over 50 topics, 9M done) and a few of
+every other state, written with ``INSERT … SELECT generate_series`` in 250k-row statements.
+
+``python -m benchmarks.dashboard_data --dsn postgresql://postgres@127.0.0.1/postgres``
+(re)creates ``<prefix>aiooutbox_dashboard`` with it; `populate` does the same for the
+dashboard scenario.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from collections.abc import Callable
+
+import asyncpg
+
+import aiooutbox
+
+TOPICS = 50
+CHUNK = 250_000
+
+Log = Callable[[str], None]
+
+
+def _insert(status: str, start: int, count: int, *, age: str, finished: bool) -> str:
+    # topic.00 .. topic.49; created over `age` before now, oldest first
+    return f"""
+    INSERT INTO outbox_events
+        (topic, payload, headers, status, attempts, created_at, available_at,
+         updated_at, finished_at)
+    SELECT 'topic.' || lpad((g % {TOPICS})::text, 2, '0'),
+           jsonb_build_object('n', g, 'customer', 'c-' || (g % 997), 'amount', g % 1000),
+           jsonb_build_object('traceparent',
+               '00-' || lpad(to_hex(g), 32, '0') || '-' || lpad(to_hex(g), 16, '0') || '-01'),
+           '{status}', {1 if finished else 0},
+           now() - interval '{age}' * (1 - (g - {start})::float8 / {count}),
+           now() - interval '{age}' * (1 - (g - {start})::float8 / {count}),
+           now(),
+           {
+        "now() - interval '"
+        + age
+        + "' * (1 - (g - "
+        + str(start)
+        + ")::float8 / "
+        + str(count)
+        + ") + interval '1 second'"
+        if finished
+        else "NULL"
+    }
+    FROM generate_series({start}, {start + count - 1}) AS g
+    """
+
+
+async def populate(dsn: str, *, done: int, pending: int, log: Log = print) -> None:
+    """Fill an empty, migrated outbox at ``dsn``; ends with VACUUM ANALYZE."""
+    conn = await asyncpg.connect(dsn, command_timeout=None)
+    try:
+        await conn.execute("SET synchronous_commit = off")
+        started = time.monotonic()
+        for status, total, age, finished in (
+            ("done", done, "7 days", True),
+            ("pending", pending, "1 hour", False),
+        ):
+            for start in range(0, total, CHUNK):
+                count = min(CHUNK, total - start)
+                for attempt in range(5):  # a shared server's lock table can be full
+                    try:
+                        await conn.execute(
+                            _insert(status, start, count, age=age, finished=finished)
+                        )
+                        break
+                    except asyncpg.OutOfMemoryError as exc:
+                        log(f"  retrying after {exc}")
+                        await asyncio.sleep(2 + attempt)
+                else:
+                    raise RuntimeError("the server kept running out of shared memory")
+                log(f"  {status}: {start + count:,}/{total:,} ({time.monotonic() - started:.0f}s)")
+        # a few of every other state: failing, dead, held by workers, ordered keys
+        await conn.execute(
+            "INSERT INTO outbox_events (topic, payload, status, attempts, last_error,"
+            " finished_at, created_at)"
+            " SELECT 'topic.' || lpad((g % 50)::text, 2, '0'), jsonb_build_object('n', g),"
+            " 'dead', 5, 'ValueError: boom ' || g, now() - g * interval '1 minute',"
+            " now() - g * interval '1 minute' FROM generate_series(1, 2000) g"
+        )
+        await conn.execute(
+            "INSERT INTO outbox_events (topic, payload, status, attempts, last_error,"
+            " available_at) SELECT 'topic.' || lpad((g % 50)::text, 2, '0'),"
+            " jsonb_build_object('n', g), 'retry', 2, 'TimeoutError',"
+            " now() + g * interval '1 second' FROM generate_series(1, 1000) g"
+        )
+        await conn.execute(
+            "INSERT INTO outbox_events (topic, payload, status, attempts, locked_by,"
+            " locked_at, lease_expires_at) SELECT 'topic.' || lpad((g % 50)::text, 2, '0'),"
+            " jsonb_build_object('n', g), 'processing', 1, 'host:' || (g % 4) || ':worker',"
+            " now(), now() + interval '1 hour' FROM generate_series(1, 200) g"
+        )
+        # 500 ordered keys of 11 events each: a head and ten waiting behind it
+        await conn.execute(
+            "INSERT INTO outbox_events (topic, payload, ordering_key)"
+            " SELECT 'topic.' || lpad((k % 50)::text, 2, '0'), jsonb_build_object('k', k, 'i', i),"
+            " 'key-' || k FROM generate_series(1, 500) k, generate_series(1, 11) i ORDER BY i, k"
+        )
+        log(f"  extras written ({time.monotonic() - started:.0f}s); VACUUM ANALYZE")
+        await conn.execute("VACUUM ANALYZE outbox_events")
+        log(f"  populated in {time.monotonic() - started:.0f}s")
+    finally:
+        await conn.close()
+
+
+async def create(admin_dsn: str, name: str, *, done: int, pending: int, log: Log = print) -> str:
+    from .common import recreate_database
+
+    dsn = await recreate_database(admin_dsn, name)
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=1)
+    try:
+        await aiooutbox.migrate(pool)
+    finally:
+        await pool.close()
+    await populate(dsn, done=done, pending=pending, log=log)
+    return dsn
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.dashboard_data")
+    parser.add_argument("--dsn", required=True, help="admin DSN (CREATE DATABASE)")
+    parser.add_argument("--prefix", default="bench_")
+    parser.add_argument("--done", type=int, default=9_000_000)
+    parser.add_argument("--pending", type=int, default=1_000_000)
+    args = parser.parse_args()
+    name = f"{args.prefix}aiooutbox_dashboard"
+    print(asyncio.run(create(args.dsn, name, done=args.done, pending=args.pending)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Start ``python -m aiooutbox dashboard`` as a subprocess (a real uvicorn server) on a
+free port, and read the address from its startup line."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import signal
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from tests.clirunner import ROOT, clean_env
+
+_LINE = re.compile(r"dashboard for \S+ on (http://\S+/) \((.*)\)")
+
+
+@dataclass
+class Dashboard:
+    url: str  # ends with /
+    access: str  # what the startup line says about permissions
+    proc: asyncio.subprocess.Process
+
+    def at(self, path: str) -> str:
+        return self.url.rstrip("/") + path
+
+
+@contextlib.asynccontextmanager
+async def dashboard(
+    dsn: str, *args: str, env: dict[str, str] | None = None, host: str = "127.0.0.1"
+) -> AsyncIterator[Dashboard]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "aiooutbox",
+        "dashboard",
+        "--dsn",
+        dsn,
+        "--host",
+        host,
+        "--port",
+        "0",
+        "--refresh",
+        "0.5s",
+        *args,
+        cwd=ROOT,
+        env=clean_env(**(env or {})),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert proc.stderr is not None
+    seen: list[str] = []
+    try:
+        async with asyncio.timeout(30):
+            while True:
+                raw = await proc.stderr.readline()
+                if not raw:
+                    raise AssertionError(f"the dashboard exited: {''.join(seen)}")
+                line = raw.decode()
+                seen.append(line)
+                match = _LINE.search(line)
+                if match:
+                    break
+        url = match[1].replace("0.0.0.0", "127.0.0.1")
+        drain = asyncio.create_task(_drain(proc.stderr, seen))
+        try:
+            yield Dashboard(url, match[2], proc)
+        finally:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    await asyncio.wait_for(proc.wait(), 15)
+                except TimeoutError:
+                    proc.kill()
+                    await proc.wait()
+            await drain
+        errors = [line for line in seen if "Traceback" in line or "ERROR" in line]
+        assert not errors, "".join(seen)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def _drain(stream: asyncio.StreamReader, seen: list[str]) -> None:
+    while raw := await stream.readline():
+        seen.append(raw.decode())

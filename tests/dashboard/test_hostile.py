@@ -1,0 +1,130 @@
+"""Stored text is hostile input: producers write topics, keys, payloads and headers,
+handlers write error texts, workers name themselves. In a real browser every one of
+them renders as text, wherever it is shown (text, attributes, URLs, form values): no
+dialog opens, no request leaves for anything but the dashboard's own files, no element
+or attribute of theirs appears, and every document carries the CSP."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from urllib.parse import urlencode, urlsplit
+
+import asyncpg
+import pytest
+
+from tests.dashboard.browser import Watched, browser_page
+from tests.dashboard.server import dashboard
+
+pytestmark = pytest.mark.slow
+
+HOSTILE = [
+    "<script>alert('s')</script>",
+    '"><img src=x onerror=alert(1)>',
+    "javascript:alert(2)",
+    "</textarea><script>alert(3)</script>",
+    "'><svg onload=alert(4)>",
+    "{{7*7}}<style>body{display:none}</style>",
+]
+_OURS = re.compile(
+    r"^/(|events(/\d+)?|dead(/confirm|/act)?|keys|consumers|audit|live|static/dashboard\.(js|css))$"
+)
+
+
+async def plant(conn: asyncpg.Connection) -> list[int]:
+    ids = []
+    for i, text in enumerate(HOSTILE):
+        payload = {"text": text, text: [text], "nested": {"html": text}}
+        headers = {"x-evil": text, "traceparent": text}
+        dead = await conn.fetchval(
+            "INSERT INTO outbox_events (topic, payload, headers, ordering_key, dedupe_key,"
+            " status, attempts, last_error, finished_at, blocks_key)"
+            " VALUES ($1, $2::jsonb, $3::jsonb, $4, $5, 'dead', 5, $6, now(), true) RETURNING id",
+            text,
+            json.dumps(payload),
+            json.dumps(headers),
+            text,
+            f"{text}#{i}",
+            f"Traceback: {text}\n  raise {text}",
+        )
+        # an event waiting behind the dead head of the hostile key
+        await conn.execute(
+            "INSERT INTO outbox_events (topic, payload, ordering_key) VALUES ($1, '{}', $1)", text
+        )
+        held = await conn.fetchval(
+            "INSERT INTO outbox_events (topic, payload, status, attempts, locked_by, locked_at,"
+            " lease_expires_at) VALUES ($1, $2::jsonb, 'processing', 1, $1, now(),"
+            " now() + interval '1 hour') RETURNING id",
+            text,
+            json.dumps(payload),
+        )
+        ids += [dead, held]
+    await conn.execute(
+        "INSERT INTO outbox_events_idle (worker_id, topics, expires_at)"
+        " VALUES ($1, $2::text[], now() + interval '1 hour')",
+        HOSTILE[1],
+        HOSTILE,
+    )
+    return ids
+
+
+async def check(w: Watched, base: str) -> None:
+    page = w.page
+    assert await page.locator("script").count() == 1  # ours, from /static
+    assert await page.locator("img, svg[onload], style, [onerror], [onload]").count() == 0
+    assert await page.locator("textarea").count() == 0
+    for href in await page.locator("a[href]").evaluate_all("as => as.map(a => a.href)"):
+        assert href.startswith(base), href  # nothing stored starts a URL
+    # (getAttribute: a form's .action is shadowed by its input named "action")
+    for action in await page.locator("form[action]").evaluate_all(
+        "fs => fs.map(f => f.getAttribute('action'))"
+    ):
+        assert action.startswith("/") and not action.startswith("//"), action
+
+
+@pytest.mark.timeout(300)  # some forty pages in a browser, on a machine that may be busy
+async def test_hostile_text_renders_as_text_everywhere(dsn: str, tmp_path: Path) -> None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        ids = await plant(conn)
+        async with dashboard(dsn) as d, browser_page() as w:
+            base = d.url
+            paths = ["/", "/events", "/dead", "/keys", "/consumers"]
+            paths += [f"/events/{i}" for i in ids]
+            for text in HOSTILE:
+                # each text as a filter value: reflected in form values, links and counts
+                query = {"topic": text, "ordering_key": text, "payload": json.dumps({"t": text})}
+                paths.append("/events?" + urlencode(query))
+                paths.append("/dead?" + urlencode({"error": text, "topic": text}))
+            for path in paths:
+                response = await w.page.goto(base.rstrip("/") + path)
+                assert response is not None and response.status == 200, path
+                await check(w, base)
+            # the text is shown, literally
+            await w.page.goto(base.rstrip("/") + f"/events/{ids[0]}")
+            assert HOSTILE[0] in await w.page.inner_text("#payload")
+            assert HOSTILE[0] in await w.page.inner_text("#last-error")
+            assert HOSTILE[0] in await w.page.inner_text("#headers")
+            await w.page.goto(base.rstrip("/") + "/events?" + urlencode({"topic": HOSTILE[1]}))
+            assert await w.page.input_value('input[name="topic"]') == HOSTILE[1]
+            assert await w.page.inner_text("#matching") == "3"  # dead, waiting, processing
+            # an action on a hostile filter: the audit shows it as text too
+            await w.page.goto(base.rstrip("/") + "/dead?" + urlencode({"topic": HOSTILE[3]}))
+            await w.page.click("#retry-matching")
+            assert await w.page.inner_text("#confirm-count") == "1"
+            await w.page.click("#confirm")
+            await w.page.wait_for_url(re.compile(r"/audit"))
+            await check(w, base)
+            assert HOSTILE[3] in await w.page.inner_text("#audit")
+            # what the page did: nothing but our own requests, no dialog, CSP each time
+            assert w.dialogs == []
+            for url in w.requests:
+                parts = urlsplit(url)
+                assert url.startswith(base) and _OURS.match(parts.path), url
+            assert w.documents
+            for doc in w.documents:
+                csp = doc.headers["content-security-policy"]
+                assert "script-src 'self'" in csp and "unsafe-inline" not in csp
+    finally:
+        await conn.close()
