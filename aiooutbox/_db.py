@@ -11,6 +11,7 @@ from typing import Any
 
 import asyncpg
 
+from ._text import describe_exception
 from .errors import OutboxError
 
 __all__ = [
@@ -84,7 +85,7 @@ def check_permanent(exc: BaseException, doing: str) -> None:
     reason = permanent_reason(exc)
     if reason is not None:
         raise PermanentDatabaseError(
-            f"{doing} failed: {type(exc).__name__}: {exc} (SQLSTATE {exc.sqlstate}); "  # type: ignore[attr-defined]
+            f"{doing} failed: {describe_exception(exc)} (SQLSTATE {exc.sqlstate}); "  # type: ignore[attr-defined]
             f"{reason}"
         ) from exc
 
@@ -110,7 +111,9 @@ async def pooled(pool: asyncpg.Pool, timeout: float) -> AsyncIterator[asyncpg.Co
 
 def _note_failed_release(release: asyncio.Future[None]) -> None:
     if not release.cancelled() and (exc := release.exception()) is not None:
-        logger.debug("a pooled connection's reset failed (%s); asyncpg closed it", exc)
+        logger.debug(
+            "a pooled connection's reset failed (%s); asyncpg closed it", describe_exception(exc)
+        )
 
 
 async def bounded(pool: asyncpg.Pool, method: str, query: str, *args: Any, timeout: float) -> Any:

@@ -27,6 +27,7 @@ from ._listener import Listener
 from ._options import ConsumerOptions
 from ._rows import ClaimedRow
 from ._settler import Settler
+from ._text import describe_exception, exception_message
 from .errors import OutboxError
 from .observe import Observers
 
@@ -240,7 +241,7 @@ class Dispatcher:
                 extra={"claim_size": after},
             )
             return
-        logger.warning("claim failed (%s: %s); retrying in %.2fs", type(exc).__name__, exc, backoff)
+        logger.warning("claim failed (%s); retrying in %.2fs", describe_exception(exc), backoff)
 
     async def _claim(self, want: int, handoff: Handoff[list[ClaimedRow]]) -> list[ClaimedRow]:
         """Claim up to ``want`` rows and hand them to the workers; return them."""
@@ -353,7 +354,7 @@ class Dispatcher:
             await declare(self._pool, self._o, self._topics, busy=busy)
         except TRANSIENT_ERRORS as exc:
             check_permanent(exc, "advertising idleness")
-            logger.debug("idle advertisement failed: %s", exc)
+            logger.debug("idle advertisement failed: %s", exception_message(exc))
             return busy
         return not busy
 

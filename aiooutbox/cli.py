@@ -22,6 +22,7 @@ from . import _logging, embedded
 from ._clicommands import table_hint
 from ._clierrors import CommandError, UsageError
 from ._cliparser import build_parser
+from ._text import describe_exception
 from .errors import OutboxError, SchemaNotReady
 
 __all__ = ["build_parser", "main"]
@@ -76,7 +77,7 @@ def _call(args: argparse.Namespace) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
-        print(f"{prog}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {describe_exception(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from ._db import TRANSIENT_ERRORS
+from ._text import describe_exception
 from .errors import InvalidArgument
 from .observe import Observer
 
@@ -153,7 +154,7 @@ class ConsumerHealth(Observer):
             with anyio.fail_after(timeout):
                 await pool.fetchval("SELECT 1", timeout=timeout)
         except TRANSIENT_ERRORS as exc:
-            result = (False, f"{type(exc).__name__}: {exc}")
+            result = (False, describe_exception(exc))
         else:
             result = (True, "")
         self._probe = (time.monotonic(), *result)

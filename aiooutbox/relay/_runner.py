@@ -28,6 +28,7 @@ from .._cliutil import (
     resolve_dsn,
 )
 from .._runner import Telemetry, _settings, _Signals, telemetry
+from .._text import describe_exception, exception_message
 from ..consumer import OutboxConsumer
 from ..errors import InvalidArgument
 from ..handlers import ALL_TOPICS
@@ -141,9 +142,9 @@ def _sink(args: argparse.Namespace) -> Any:
             args.to, destination=args.destination, exchange=args.exchange, **options
         )
     except (InvalidArgument, TypeError) as exc:
-        raise UsageError(f"--to/--destination: {exc}") from None
+        raise UsageError(f"--to/--destination: {exception_message(exc)}") from None
     except ImportError as exc:
-        raise CommandError(str(exc).split(" (")[0]) from None
+        raise CommandError(exception_message(exc).split(" (")[0]) from None
 
 
 async def cmd_relay(args: argparse.Namespace) -> int:
@@ -200,7 +201,7 @@ async def _relay(
                 try:
                     await consumer.run(handlers)
                 except (Exception, SystemExit, KeyboardInterrupt) as exc:
-                    logger.error("relay failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+                    logger.error("relay failed: %s", describe_exception(exc), exc_info=exc)
                     return 1
         finally:
             await sink.close()
