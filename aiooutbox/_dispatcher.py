@@ -27,7 +27,7 @@ from ._listener import Listener
 from ._options import ConsumerOptions
 from ._rows import ClaimedRow
 from ._settler import Settler
-from ._text import describe_exception, exception_message
+from ._text import exception_message, exception_summary
 from .errors import OutboxError
 from .observe import Observers
 
@@ -241,7 +241,7 @@ class Dispatcher:
                 extra={"claim_size": after},
             )
             return
-        logger.warning("claim failed (%s); retrying in %.2fs", describe_exception(exc), backoff)
+        logger.warning("claim failed (%s); retrying in %.2fs", exception_summary(exc), backoff)
 
     async def _claim(self, want: int, handoff: Handoff[list[ClaimedRow]]) -> list[ClaimedRow]:
         """Claim up to ``want`` rows and hand them to the workers; return them."""

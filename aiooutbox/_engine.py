@@ -27,7 +27,7 @@ from ._maintenance import Maintenance
 from ._options import ConsumerOptions
 from ._rows import ClaimedRow
 from ._settler import Settler
-from ._text import describe_exception
+from ._text import exception_summary
 from ._watchdog import Watchdog
 from .handlers import Handler
 from .observe import Observers
@@ -241,4 +241,4 @@ async def _quietly(awaitable: object, level: int = logging.DEBUG) -> None:
     try:
         await awaitable  # type: ignore[misc]
     except TRANSIENT_ERRORS as exc:
-        logger.log(level, "ignored at shutdown (%s)", describe_exception(exc))
+        logger.log(level, "ignored at shutdown (%s)", exception_summary(exc))

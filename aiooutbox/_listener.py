@@ -30,7 +30,7 @@ import asyncpg
 from anyio.abc import TaskStatus
 
 from ._db import TRANSIENT_ERRORS, bounded, check_permanent
-from ._text import describe_exception
+from ._text import exception_summary
 
 __all__ = ["PROBE_PREFIX", "Listener", "is_probe"]
 
@@ -130,7 +130,7 @@ class Listener:
                     raise
                 logger.warning(
                     "listener reconnect failed (%s); next try in %.1fs",
-                    describe_exception(exc),
+                    exception_summary(exc),
                     delay,
                 )
                 await anyio.sleep(delay * (0.5 + random.random()))
@@ -173,7 +173,7 @@ class Listener:
         try:
             await conn.execute("SELECT 1", timeout=self._timeout)
         except TRANSIENT_ERRORS as exc:
-            logger.warning("listener keep-alive failed (%s)", describe_exception(exc))
+            logger.warning("listener keep-alive failed (%s)", exception_summary(exc))
             return False
         return True
 
@@ -191,7 +191,7 @@ class Listener:
                 timeout=self._timeout,
             )  # fmt: skip
         except TRANSIENT_ERRORS as exc:
-            logger.debug("listener probe not sent (%s)", describe_exception(exc))
+            logger.debug("listener probe not sent (%s)", exception_summary(exc))
             self._probe_waiting = None
             return None
         self.probes_sent += 1

@@ -19,7 +19,7 @@ import asyncpg
 from ._db import TRANSIENT_ERRORS, bounded, check_permanent
 from ._leases import Leases
 from ._sql import Queries
-from ._text import describe_exception
+from ._text import exception_summary
 
 __all__ = ["Maintenance"]
 
@@ -74,7 +74,7 @@ class Maintenance:
                 )
             except TRANSIENT_ERRORS as exc:
                 check_permanent(exc, "extending leases")
-                logger.warning("lease heartbeat failed (%s)", describe_exception(exc))
+                logger.warning("lease heartbeat failed (%s)", exception_summary(exc))
                 continue
             alive = {r[0] for r in kept}
             for event_id in due:
@@ -106,7 +106,7 @@ class Maintenance:
                     await self._purge(self._retention)
             except TRANSIENT_ERRORS as exc:
                 check_permanent(exc, "recovering expired leases")
-                logger.warning("maintenance failed (%s)", describe_exception(exc))
+                logger.warning("maintenance failed (%s)", exception_summary(exc))
             await anyio.sleep(interval * random.uniform(0.8, 1.2))
 
     async def _promote_orphans(self) -> None:

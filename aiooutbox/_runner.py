@@ -34,6 +34,7 @@ from ._cliutil import (
 from ._options import ConsumerOptions
 from ._text import describe_exception, exception_message
 from .consumer import OutboxConsumer
+from .errors import OutboxError
 from .handlers import Handler, resolve_handlers
 from .health import ConsumerHealth
 from .observe import Observer
@@ -296,7 +297,13 @@ async def _consume(
             try:
                 await consumer.run(handlers)
             except (Exception, SystemExit, KeyboardInterrupt) as exc:
-                logger.error("consumer failed: %s", describe_exception(exc), exc_info=exc)
+                # our own errors say what to fix in one line; the traceback is for debugging
+                logger.error(
+                    "consumer failed: %s",
+                    describe_exception(exc),
+                    exc_info=None if isinstance(exc, OutboxError) else exc,
+                )
+                logger.debug("consumer failed", exc_info=exc)
                 return 1
     s = consumer.stats
     logger.info(

@@ -24,7 +24,7 @@ import asyncpg
 from ._db import TRANSIENT_ERRORS, check_permanent, is_data_error, pool_is_closed, pooled
 from ._rows import Outcome, Settlement
 from ._sql import Queries
-from ._text import describe_exception, exception_message
+from ._text import describe_exception, exception_message, exception_summary
 
 __all__ = ["Settler"]
 
@@ -168,7 +168,7 @@ class Settler:
                     return
                 logger.warning(
                     "settlement flush failed (%s); retrying in %.2fs",
-                    describe_exception(exc),
+                    exception_summary(exc),
                     delay,
                     extra={"outcomes": batch.size},
                 )

@@ -13,7 +13,13 @@ an exception into text goes through `exception_message` / `describe_exception`.
 
 from __future__ import annotations
 
-__all__ = ["describe_exception", "exception_message", "exception_repr", "safe_text"]
+__all__ = [
+    "describe_exception",
+    "exception_message",
+    "exception_repr",
+    "exception_summary",
+    "safe_text",
+]
 
 
 def safe_text(text: str, limit: int) -> str:
@@ -63,6 +69,13 @@ def describe_exception(exc: BaseException, *, qualified: bool = False) -> str:
     name = _class_name(exc, qualified)
     message = exception_message(exc)
     return f"{name}: {message}" if message else name
+
+
+def exception_summary(exc: BaseException) -> str:
+    """`describe_exception`'s first line, for a log line: asyncpg appends the server's
+    DETAIL and HINT on lines of their own (a prepared-statement error behind PgBouncer
+    carries 15 lines of advice)."""
+    return describe_exception(exc).split("\n", 1)[0].rstrip()
 
 
 def _class_name(exc: BaseException, qualified: bool = False) -> str:

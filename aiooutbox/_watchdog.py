@@ -29,7 +29,7 @@ import asyncpg
 from ._db import TRANSIENT_ERRORS, pooled
 from ._options import ConsumerOptions
 from ._sql import Queries
-from ._text import describe_exception
+from ._text import exception_summary
 
 __all__ = ["HorizonHolder", "MvccReport", "Watchdog", "inspect_mvcc"]
 
@@ -161,7 +161,7 @@ class Watchdog:
             try:
                 report = await self.check()
             except TRANSIENT_ERRORS as exc:
-                logger.info("watchdog check failed (%s)", describe_exception(exc))
+                logger.info("watchdog check failed (%s)", exception_summary(exc))
             else:
                 if report is not None:
                     self._warn(report)

@@ -22,6 +22,7 @@ from . import _logging, embedded
 from ._clicommands import table_hint
 from ._clierrors import CommandError, UsageError
 from ._cliparser import build_parser
+from ._db import permanent_message, permanent_reason
 from ._text import describe_exception
 from .errors import OutboxError, SchemaNotReady
 
@@ -77,7 +78,12 @@ def _call(args: argparse.Namespace) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
-        print(f"{prog}: error: {describe_exception(exc)}", file=sys.stderr)
+        reason = permanent_reason(exc)
+        if reason is not None:  # one line with the fix, not asyncpg's multi-line hint
+            message = permanent_message(exc, f"{prog} {args.command}", reason)
+        else:
+            message = describe_exception(exc)
+        print(f"{prog}: error: {message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

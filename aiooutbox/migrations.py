@@ -18,7 +18,7 @@ from pathlib import Path
 
 import asyncpg
 
-from ._db import PermanentDatabaseError
+from ._db import PermanentDatabaseError, check_permanent
 from ._sql import DEFAULT_SCHEMA, DEFAULT_TABLE, Queries, queries
 from ._text import exception_message
 from .errors import SchemaNotReady, SchemaTooNew
@@ -265,6 +265,9 @@ async def check_schema(
         applied = await _applied(conn_or_pool, q)
     except asyncpg.InsufficientPrivilegeError as exc:
         raise await _missing_grant(conn_or_pool, q, exc) from None
+    except asyncpg.PostgresError as exc:
+        check_permanent(exc, "checking the outbox schema version")  # e.g. behind PgBouncer
+        raise
     _refuse_newer(applied, q)
     missing = [m.version for m in migrations() if m.version not in applied]
     if missing:

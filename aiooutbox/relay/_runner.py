@@ -30,7 +30,7 @@ from .._cliutil import (
 from .._runner import Telemetry, _settings, _Signals, telemetry
 from .._text import describe_exception, exception_message
 from ..consumer import OutboxConsumer
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, OutboxError
 from ..handlers import ALL_TOPICS
 
 __all__ = ["add_relay_command", "cmd_relay"]
@@ -201,7 +201,13 @@ async def _relay(
                 try:
                     await consumer.run(handlers)
                 except (Exception, SystemExit, KeyboardInterrupt) as exc:
-                    logger.error("relay failed: %s", describe_exception(exc), exc_info=exc)
+                    # our own errors say what to fix in one line; the traceback is for debugging
+                    logger.error(
+                        "relay failed: %s",
+                        describe_exception(exc),
+                        exc_info=None if isinstance(exc, OutboxError) else exc,
+                    )
+                    logger.debug("relay failed", exc_info=exc)
                     return 1
         finally:
             await sink.close()
