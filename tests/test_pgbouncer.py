@@ -258,7 +258,9 @@ async def test_run_through_pgbouncer_without_the_flag_stops_with_one_line(
     # reason) left to its lease; either way it says so, in one line
     assert [x for x in _warnings(r.lines[:-1]) if "at shutdown" not in x] == [], context
     # every line is one log record or the error: no traceback, no 15-line hint
-    assert all(re.match(r"\d{4}-\d\d-\d\d |aiooutbox: error: ", x) for x in r.lines), context
+    assert all(re.match(r"\d{4}-\d\d-\d\d |(python -m )?aiooutbox: error: ", x) for x in r.lines), (
+        context
+    )
     assert "claim failed" not in r.stderr, context
 
 
