@@ -24,6 +24,7 @@ import anyio
 import asyncpg
 
 from ._sql.admin import AdminQueries, admin_queries
+from ._values.text import exception_message
 from .errors import OutboxError
 
 __all__ = [
@@ -108,7 +109,8 @@ def start(data_dir: str | Path = DEFAULT_DATA_DIR) -> str:
         dsn: str = server.get_uri("postgres")
     except (OSError, subprocess.SubprocessError, AssertionError) as exc:
         raise EmbeddedUnavailable(
-            f"could not start the embedded PostgreSQL in {pgdata}: {exc or type(exc).__name__}"
+            f"could not start the embedded PostgreSQL in {pgdata}: "
+            f"{exception_message(exc) or type(exc).__name__}"
             " (its log is in that directory; another --data-dir, or --dsn, avoids it)"
         ) from exc
     return dsn
@@ -157,6 +159,6 @@ def stop(data_dir: str | Path = DEFAULT_DATA_DIR) -> bool:
         )
     except (OSError, subprocess.SubprocessError) as exc:
         raise EmbeddedUnavailable(
-            f"could not stop the embedded PostgreSQL in {pgdata}: {exc}"
+            f"could not stop the embedded PostgreSQL in {pgdata}: {exception_message(exc)}"
         ) from exc
     return True

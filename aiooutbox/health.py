@@ -28,6 +28,7 @@ from typing import Any
 import anyio
 
 from ._sql.db import TRANSIENT_ERRORS
+from ._values.text import describe_exception
 from .errors import InvalidArgument
 from .observe import ObservedConsumer, Observer
 
@@ -150,7 +151,7 @@ class ConsumerHealth(Observer):
             with anyio.fail_after(timeout):
                 await pool.fetchval("SELECT 1", timeout=timeout)
         except TRANSIENT_ERRORS as exc:
-            result = (False, f"{type(exc).__name__}: {exc}")
+            result = (False, describe_exception(exc))
         else:
             result = (True, "")
         self._probe = (time.monotonic(), *result)

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import asyncpg
 
+from ._sql.db import PermanentDatabaseError, check_permanent
 from ._sql.statements import DEFAULT_SCHEMA, DEFAULT_TABLE, Queries, queries
+from ._values.text import exception_message
 from .errors import SchemaNotReady, SchemaTooNew
 
 __all__ = ["Migration", "check_schema", "migrate", "migration_sql", "migrations"]
@@ -205,6 +207,33 @@ def _refuse_newer(applied: dict[int, int | None], q: Queries) -> None:
         )
 
 
+async def _missing_grant(
+    db: asyncpg.Connection | asyncpg.Pool, q: Queries, exc: asyncpg.PostgresError
+) -> PermanentDatabaseError:
+    """The version check was refused: one line naming the GRANT that fixes it.
+
+    The version tables are read by every consumer at start; a role granted what an
+    older release documented may lack one added since (the compat-versions table).
+    """
+    refused = exception_message(exc)
+    try:
+        role, usage, tables = await db.fetchrow(
+            q.unreadable_version_tables, q.schema, [q.versions_table, q.compat_versions_table]
+        )
+    except (asyncpg.PostgresError, asyncpg.InterfaceError):  # e.g. an aborted transaction
+        role, usage, tables = "<the consumer's role>", True, []
+    grants = [] if usage else [f'GRANT USAGE ON SCHEMA "{q.schema}" TO {role}']
+    grants += [f"GRANT SELECT ON {t} TO {role}" for t in tables]
+    if not grants:
+        fix = "grant the consumer's role the privileges listed in docs/guarantees.md"
+    else:
+        fix = (
+            f"as the schema's owner run: {'; '.join(grants)}; (aiooutbox reads the schema "
+            "version there at start; docs/guarantees.md lists every grant)"
+        )
+    return PermanentDatabaseError(f"checking the outbox schema version: {refused}; {fix}")
+
+
 def schema_missing_message(q: Queries) -> str:
     """What `SchemaNotReady` says when the outbox was never migrated (consumer and producer)."""
     return (
@@ -229,10 +258,16 @@ async def check_schema(
 ) -> None:
     """Raise `SchemaNotReady` or `SchemaTooNew` unless the outbox is at this library's version."""
     q = queries(schema, table)
-    exists = await conn_or_pool.fetchval(q.versions_table_exists, q.versions_table)
-    if not exists:
-        raise SchemaNotReady(schema_missing_message(q))
-    applied = await _applied(conn_or_pool, q)
+    try:
+        exists = await conn_or_pool.fetchval(q.versions_table_exists, q.versions_table)
+        if not exists:
+            raise SchemaNotReady(schema_missing_message(q))
+        applied = await _applied(conn_or_pool, q)
+    except asyncpg.InsufficientPrivilegeError as exc:
+        raise await _missing_grant(conn_or_pool, q, exc) from None
+    except asyncpg.PostgresError as exc:
+        check_permanent(exc, "checking the outbox schema version")  # e.g. behind PgBouncer
+        raise
     _refuse_newer(applied, q)
     missing = [m.version for m in migrations() if m.version not in applied]
     if missing:

@@ -210,9 +210,10 @@ def one_result(records: Sequence[Sequence[Any]]) -> int | None:
 class Batch:
     """A validated `enqueue_many` batch: the statement, its arrays, and how to map back.
 
-    Rows are bound sorted by dedupe key (keyless rows last, each group in input order), so
-    producers whose batches share keys take the unique index's locks in the same order
-    and wait for each other instead of deadlocking; `results` restores input order.
+    Rows are bound in `_insert_order`: unordered rows with a dedupe key sorted by it,
+    then ordered rows grouped by ordering key, then keyless unordered rows, each group in
+    input order. Producers whose batches share keys take the locks in the same order and
+    wait for each other instead of deadlocking; `results` restores input order.
     """
 
     __slots__ = ("order", "q", "rows")
@@ -237,7 +238,9 @@ class Batch:
 
     @property
     def statement(self) -> str:
-        return self.q.insert_many
+        if any(r.ordering_key is not None for r in self.rows):
+            return self.q.insert_many
+        return self.q.insert_many_unordered
 
     def params(self) -> tuple[list[Any], ...]:
         """The eight arrays of `Queries.insert_many`, in insertion order."""

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+import traceback
 from collections.abc import Mapping
 from typing import Any
 
+from ._values.text import exception_message
 from .events import Event
 from .observe import Observer
 
@@ -211,13 +213,39 @@ class TracingObserver(Observer):
         try:
             self._context.detach(attached)
         finally:
-            span.set_attribute("aiooutbox.outcome", outcome)
-            if error is not None and outcome != "released":
-                span.record_exception(error)
-                span.set_attribute("error.type", type(error).__qualname__)
-                status = self._trace.Status(self._trace.StatusCode.ERROR, type(error).__name__)
-                span.set_status(status)
-            span.end()
+            try:
+                span.set_attribute("aiooutbox.outcome", outcome)
+                if error is not None and outcome != "released":
+                    _record_exception(span, error)
+                    span.set_attribute("error.type", type(error).__qualname__)
+                    status = self._trace.Status(self._trace.StatusCode.ERROR, type(error).__name__)
+                    span.set_status(status)
+            finally:
+                span.end()
+
+
+def _record_exception(span: Any, error: BaseException) -> None:
+    """``span.record_exception(error)``, also for an exception whose ``__str__`` raises
+    (the SDK calls ``str()`` on it): then the event is added with the message that
+    `exception_message` gives (the class name and ``repr``)."""
+    try:
+        span.record_exception(error)
+    except Exception:
+        cls = type(error)
+        module, name = cls.__module__, cls.__qualname__
+        if module and module != "builtins":
+            name = f"{module}.{name}"
+        try:
+            stacktrace = "".join(traceback.format_exception(error))
+        except Exception:
+            stacktrace = "".join(traceback.format_tb(error.__traceback__))
+        attributes = {
+            "exception.type": name,
+            "exception.message": exception_message(error),
+            "exception.stacktrace": stacktrace,
+            "exception.escaped": "False",
+        }
+        span.add_event("exception", attributes)
 
 
 def _installed_version() -> str | None:

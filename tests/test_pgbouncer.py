@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import pwd
+import re
 import shutil
 import signal
 import socket
@@ -25,6 +26,7 @@ import asyncpg
 import pytest
 
 import aiooutbox
+from aiooutbox._sql.db import PermanentDatabaseError
 from aiooutbox.migrations import migrations as _shipped
 from tests.clirunner import Runner, clean_env, cli
 from tests.helpers import status_counts, wait_until
@@ -222,3 +224,76 @@ async def test_migrate_produce_and_run_through_pgbouncer(bounced: tuple[str, str
 
 async def _all_done(conn: asyncpg.Connection, total: int) -> bool:
     return await status_counts(conn) == {"done": total}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.slow  # a PgBouncer of its own and command-line processes
+async def test_run_through_pgbouncer_without_the_flag_stops_with_one_line(
+    bounced: tuple[str, str],
+) -> None:
+    """Without ``--pgbouncer`` asyncpg's named prepared statements meet another server
+    connection: the runner stops at once with one line naming the flag, instead of
+    warning about failed claims for as long as it runs."""
+    direct, bouncer = bounced
+    migrated = await cli("migrate", "--dsn", direct)
+    assert migrated.rc == 0, migrated.err
+    # events to claim, and producers through PgBouncer beside the runner, as in production
+    await _produce(bouncer, producers=4, each=10, tag="before")
+    started = time.monotonic()
+    async with Runner(*QUICK, "--dsn", bouncer, "--poll-interval", "0.2") as r:
+        producing = asyncio.ensure_future(_produce(bouncer, producers=4, each=50, tag="during"))
+        try:
+            rc: int | None = await r.wait(timeout=60)
+        except TimeoutError:
+            rc = None  # still running after a minute (the context manager kills it)
+        finally:
+            await producing
+    took = time.monotonic() - started
+    context = f"rc={rc} after {took:.1f}s\n{r.stderr}"
+    assert rc == 1, context
+    # the last line says what to do (logged by the runner, or printed when the start-up
+    # schema check already met the error)
+    assert "pass --pgbouncer" in r.lines[-1] and "SQLSTATE 26000" in r.lines[-1], context
+    # what it claimed before it stopped is given back, or (when that fails for the same
+    # reason) left to its lease; either way it says so, in one line
+    assert [x for x in _warnings(r.lines[:-1]) if "at shutdown" not in x] == [], context
+    # every line is one log record or the error: no traceback, no 15-line hint
+    assert all(re.match(r"\d{4}-\d\d-\d\d |(python -m )?aiooutbox: error: ", x) for x in r.lines), (
+        context
+    )
+    assert "claim failed" not in r.stderr, context
+
+
+@pytest.mark.timeout(120)
+async def test_a_consumer_on_a_pool_with_a_statement_cache_behind_pgbouncer_stops(
+    bounced: tuple[str, str],
+) -> None:
+    """The library's consumer, given a pool with asyncpg's statement cache behind
+    PgBouncer, stops with `PermanentDatabaseError` naming ``statement_cache_size=0``."""
+    direct, bouncer = bounced
+    conn = await asyncpg.connect(direct)
+    try:
+        await aiooutbox.migrate(conn)
+    finally:
+        await conn.close()
+    await _produce(bouncer, producers=4, each=10, tag="before")
+
+    async def handle(event: aiooutbox.Event) -> None:
+        pass
+
+    async def consume(pool: asyncpg.Pool) -> None:
+        consumer = aiooutbox.OutboxConsumer(pool, poll_interval=0.2)
+        async with consumer:
+            await asyncio.wait_for(consumer.run({"quick": handle}), 60)
+
+    started = time.monotonic()
+    async with asyncpg.create_pool(bouncer, min_size=2, max_size=8) as pool:
+        producing = asyncio.ensure_future(_produce(bouncer, producers=4, each=50, tag="during"))
+        try:
+            with pytest.raises(PermanentDatabaseError) as stopped:
+                await consume(pool)
+        finally:
+            await producing
+    message = str(stopped.value)
+    took = time.monotonic() - started
+    assert "statement_cache_size=0" in message and "\n" not in message, (took, message)

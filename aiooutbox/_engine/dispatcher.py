@@ -19,6 +19,7 @@ import anyio
 import asyncpg
 
 from .._sql.db import TRANSIENT_ERRORS, bounded, check_permanent, pool_is_closed, pooled
+from .._values.text import exception_message, exception_summary
 from ..errors import OutboxError
 from ..observe import Observers
 from .claim_window import Arrivals, ClaimWindow
@@ -239,7 +240,7 @@ class Dispatcher:
                 extra={"claim_size": after},
             )
             return
-        logger.warning("claim failed (%s: %s); retrying in %.2fs", type(exc).__name__, exc, backoff)
+        logger.warning("claim failed (%s); retrying in %.2fs", exception_summary(exc), backoff)
 
     async def _claim(self, want: int, handoff: Handoff[list[ClaimedRow]]) -> list[ClaimedRow]:
         """Claim up to ``want`` rows and hand them to the workers; return them."""
@@ -352,7 +353,7 @@ class Dispatcher:
             await declare(self._pool, self._o, self._topics, busy=busy)
         except TRANSIENT_ERRORS as exc:
             check_permanent(exc, "advertising idleness")
-            logger.debug("idle advertisement failed: %s", exc)
+            logger.debug("idle advertisement failed: %s", exception_message(exc))
             return busy
         return not busy
 

@@ -18,6 +18,7 @@ import anyio
 import asyncpg
 
 from .._sql.db import TRANSIENT_ERRORS
+from .._values.text import exception_summary
 from ..handlers import Handler
 from ..observe import Observers
 from .dispatcher import Dispatcher, Signals, declare
@@ -240,4 +241,4 @@ async def _quietly(awaitable: object, level: int = logging.DEBUG) -> None:
     try:
         await awaitable  # type: ignore[misc]
     except TRANSIENT_ERRORS as exc:
-        logger.log(level, "ignored at shutdown (%s: %s)", type(exc).__name__, exc)
+        logger.log(level, "ignored at shutdown (%s)", exception_summary(exc))

@@ -18,7 +18,7 @@ import anyio.to_thread
 
 from .._values.codec import Decoder, decode_json
 from .._values.limits import MAX_ERROR_CHARS
-from .._values.text import safe_text
+from .._values.text import describe_exception, exception_repr, safe_text
 from ..errors import Dead, Retry
 from ..events import Event, build_event
 from ..handlers import ALL_TOPICS, Handler
@@ -36,10 +36,28 @@ _THREAD_DECODE_CHARS = 256 * 1024
 
 
 def describe(exc: BaseException) -> str:
-    """The text kept in ``last_error``: type, message and the end of the traceback."""
-    text = safe_text(f"{type(exc).__qualname__}: {exc}", MAX_ERROR_CHARS // 2)
-    trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-8))
+    """The text kept in ``last_error``: type, message and the end of the traceback.
+
+    Never raises: an exception whose ``__str__`` (or ``__repr__``) fails is described by
+    its class name and ``repr`` (or its class name alone), its traceback kept.
+    """
+    text = safe_text(describe_exception(exc, qualified=True), MAX_ERROR_CHARS // 2)
+    try:  # safe against a failing __str__ itself; a malformed __notes__ still raises
+        trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-8))
+    except Exception:
+        trace = "".join(traceback.format_tb(exc.__traceback__, limit=-8))
     return safe_text(text + "\n" + trace[-(MAX_ERROR_CHARS - len(text) - 1) :], MAX_ERROR_CHARS)
+
+
+def _reason(exc: Retry | Dead) -> str:
+    """The reason a handler gave, as text (a subclass may have set anything there)."""
+    reason = getattr(exc, "reason", None)
+    if isinstance(reason, str):
+        return reason
+    try:
+        return str(reason)
+    except Exception:
+        return describe_exception(exc)
 
 
 class Executor:
@@ -156,8 +174,8 @@ class Executor:
                 error = exc
                 outcome = self._fail(row, exc, Outcome.RETRY, handler)
                 logger.error(
-                    "handler raised %r; stopping the consumer",
-                    exc,
+                    "handler raised %s; stopping the consumer",
+                    exception_repr(exc),
                     extra={"event_id": row.id, "topic": row.topic, "attempt": row.attempts},
                 )
                 self._on_fatal(exc)
@@ -252,10 +270,10 @@ class Executor:
         else:
             self._stats.retried += 1
         if isinstance(exc, (Retry, Dead)):
-            error = safe_text(f"{type(exc).__name__}: {exc.reason}", MAX_ERROR_CHARS)
+            error = safe_text(f"{type(exc).__name__}: {_reason(exc)}", MAX_ERROR_CHARS)
         else:
             error = describe(exc)
-        summary = safe_text(f"{type(exc).__name__}: {exc}", 500)
+        summary = safe_text(describe_exception(exc), 500)
         then = (
             f"dead after {row.attempts}/{row.max_attempts} attempts"
             + (f"; key {row.ordering_key!r} stays blocked" if blocks else "")

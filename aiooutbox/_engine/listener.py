@@ -30,6 +30,7 @@ import asyncpg
 from anyio.abc import TaskStatus
 
 from .._sql.db import TRANSIENT_ERRORS, bounded, check_permanent
+from .._values.text import exception_summary
 
 __all__ = ["PROBE_PREFIX", "Listener", "is_probe"]
 
@@ -128,9 +129,8 @@ class Listener:
                     check_permanent(exc, "the listener's LISTEN")  # e.g. a read-only standby
                     raise
                 logger.warning(
-                    "listener reconnect failed (%s: %s); next try in %.1fs",
-                    type(exc).__name__,
-                    exc,
+                    "listener reconnect failed (%s); next try in %.1fs",
+                    exception_summary(exc),
                     delay,
                 )
                 await anyio.sleep(delay * (0.5 + random.random()))
@@ -173,7 +173,7 @@ class Listener:
         try:
             await conn.execute("SELECT 1", timeout=self._timeout)
         except TRANSIENT_ERRORS as exc:
-            logger.warning("listener keep-alive failed (%s: %s)", type(exc).__name__, exc)
+            logger.warning("listener keep-alive failed (%s)", exception_summary(exc))
             return False
         return True
 
@@ -191,7 +191,7 @@ class Listener:
                 timeout=self._timeout,
             )  # fmt: skip
         except TRANSIENT_ERRORS as exc:
-            logger.debug("listener probe not sent (%s: %s)", type(exc).__name__, exc)
+            logger.debug("listener probe not sent (%s)", exception_summary(exc))
             self._probe_waiting = None
             return None
         self.probes_sent += 1

@@ -18,6 +18,7 @@ import asyncpg
 
 from .._sql.db import TRANSIENT_ERRORS, bounded, check_permanent
 from .._sql.statements import Queries
+from .._values.text import exception_summary
 from .leases import Leases
 
 __all__ = ["Maintenance"]
@@ -73,7 +74,7 @@ class Maintenance:
                 )
             except TRANSIENT_ERRORS as exc:
                 check_permanent(exc, "extending leases")
-                logger.warning("lease heartbeat failed (%s: %s)", type(exc).__name__, exc)
+                logger.warning("lease heartbeat failed (%s)", exception_summary(exc))
                 continue
             alive = {r[0] for r in kept}
             for event_id in due:
@@ -105,7 +106,7 @@ class Maintenance:
                     await self._purge(self._retention)
             except TRANSIENT_ERRORS as exc:
                 check_permanent(exc, "recovering expired leases")
-                logger.warning("maintenance failed (%s: %s)", type(exc).__name__, exc)
+                logger.warning("maintenance failed (%s)", exception_summary(exc))
             await anyio.sleep(interval * random.uniform(0.8, 1.2))
 
     async def _promote_orphans(self) -> None:

@@ -23,6 +23,7 @@ import asyncpg
 
 from .._sql.db import TRANSIENT_ERRORS, check_permanent, is_data_error, pool_is_closed, pooled
 from .._sql.statements import Queries
+from .._values.text import describe_exception, exception_message, exception_summary
 from .rows import Outcome, Settlement
 
 __all__ = ["Settler"]
@@ -163,12 +164,11 @@ class Settler:
                     return
                 deadline = self._deadline
                 if deadline is not None and anyio.current_time() + delay > deadline:
-                    self._abandon(f"{type(exc).__name__}: {exc}")
+                    self._abandon(describe_exception(exc))
                     return
                 logger.warning(
-                    "settlement flush failed (%s: %s); retrying in %.2fs",
-                    type(exc).__name__,
-                    exc,
+                    "settlement flush failed (%s); retrying in %.2fs",
+                    exception_summary(exc),
                     delay,
                     extra={"outcomes": batch.size},
                 )
@@ -319,14 +319,14 @@ class Settler:
                     "event %d: its outcome was refused even with a placeholder error (%s); "
                     "its lease will expire and it will be retried",
                     bad.id,
-                    exc,
+                    exception_message(exc),
                     extra={"event_id": bad.id},
                 )
                 return
             logger.warning(
                 "event %d: error text refused (%s); storing a placeholder instead",
                 bad.id,
-                exc,
+                exception_message(exc),
                 extra={"event_id": bad.id},
             )
             placeholder = _PLACEHOLDER.format(type(exc).__name__)

@@ -28,6 +28,7 @@ import asyncpg
 
 from .._sql.db import TRANSIENT_ERRORS, pooled
 from .._sql.statements import Queries
+from .._values.text import exception_summary
 from .options import ConsumerOptions
 
 __all__ = ["HorizonHolder", "MvccReport", "Watchdog", "inspect_mvcc"]
@@ -160,7 +161,7 @@ class Watchdog:
             try:
                 report = await self.check()
             except TRANSIENT_ERRORS as exc:
-                logger.info("watchdog check failed (%s: %s)", type(exc).__name__, exc)
+                logger.info("watchdog check failed (%s)", exception_summary(exc))
             else:
                 if report is not None:
                     self._warn(report)

@@ -18,6 +18,7 @@ from anyio.abc import TaskStatus
 
 from .._sql.db import TRANSIENT_ERRORS, bounded
 from .._sql.statements import DEFAULT_SCHEMA, DEFAULT_TABLE, queries
+from .._values.text import exception_summary
 from ..errors import InvalidArgument
 
 __all__ = ["QueueGauges", "QueueSnapshot"]
@@ -95,7 +96,7 @@ class QueueGauges:
         try:
             took = await self.refresh()
         except TRANSIENT_ERRORS as exc:
-            logger.warning("queue gauges not refreshed (%s: %s)", type(exc).__name__, exc)
+            logger.warning("queue gauges not refreshed (%s)", exception_summary(exc))
         return max(self.interval, took / _QUEUE_QUERY_SHARE)
 
     async def run(

@@ -11,6 +11,7 @@ from typing import Any
 
 import asyncpg
 
+from .._values.text import describe_exception, exception_summary
 from ..errors import OutboxError
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "bounded",
     "check_permanent",
     "is_data_error",
+    "permanent_message",
     "permanent_reason",
     "pool_is_closed",
     "pooled",
@@ -52,6 +54,11 @@ _PERMANENT: dict[str, str] = {
     "(several hosts with target_session_attrs=read-write follow a failover)",
     "28": "the database refused the credentials: check the DSN's user and password",
     "0A": "the server lacks a feature aiooutbox needs",
+    # asyncpg's named prepared statement met another server connection: a pooler in
+    # transaction (or statement) mode, where a retry only picks another connection
+    "26000": "the DSN goes through PgBouncer (or another pooler) in transaction mode, "
+    "which does not keep prepared statements: pass --pgbouncer (run and relay also need "
+    "--listen-dsn or --no-listen), or create the asyncpg pool with statement_cache_size=0",
 }
 
 
@@ -83,10 +90,15 @@ def check_permanent(exc: BaseException, doing: str) -> None:
     """Raise `PermanentDatabaseError` from ``exc`` if retrying cannot fix it."""
     reason = permanent_reason(exc)
     if reason is not None:
-        raise PermanentDatabaseError(
-            f"{doing} failed: {type(exc).__name__}: {exc} (SQLSTATE {exc.sqlstate}); "  # type: ignore[attr-defined]
-            f"{reason}"
-        ) from exc
+        raise PermanentDatabaseError(permanent_message(exc, doing, reason)) from exc
+
+
+def permanent_message(exc: BaseException, doing: str, reason: str) -> str:
+    """One line: what failed, the server's message (without asyncpg's multi-line
+    DETAIL and HINT, which may run to 15 lines), its SQLSTATE and the fix."""
+    summary = exception_summary(exc)
+    state = getattr(exc, "sqlstate", None)
+    return f"{doing} failed: {summary} (SQLSTATE {state}); {reason}"
 
 
 @asynccontextmanager
@@ -110,7 +122,9 @@ async def pooled(pool: asyncpg.Pool, timeout: float) -> AsyncIterator[asyncpg.Co
 
 def _note_failed_release(release: asyncio.Future[None]) -> None:
     if not release.cancelled() and (exc := release.exception()) is not None:
-        logger.debug("a pooled connection's reset failed (%s); asyncpg closed it", exc)
+        logger.debug(
+            "a pooled connection's reset failed (%s); asyncpg closed it", describe_exception(exc)
+        )
 
 
 async def bounded(pool: asyncpg.Pool, method: str, query: str, *args: Any, timeout: float) -> Any:

@@ -181,6 +181,16 @@ class Queries:
         return "SELECT to_regclass($1) IS NOT NULL"
 
     @property
+    def unreadable_version_tables(self) -> str:
+        # $1 the schema, $2 the version tables: the role, and those it cannot read
+        # (asked only after a permission error, to name the GRANT that fixes it)
+        return (
+            "SELECT quote_ident(current_user), has_schema_privilege($1, 'USAGE'),"
+            " array(SELECT t FROM unnest($2::text[]) AS t"
+            " WHERE to_regclass(t) IS NOT NULL AND NOT has_table_privilege(t, 'SELECT'))"
+        )
+
+    @property
     def applied_versions(self) -> str:
         return f"SELECT version FROM {self.versions_table} ORDER BY version"
 
@@ -208,6 +218,15 @@ class Queries:
 
     @property
     def insert_many(self) -> str:
+        return self._insert_many("ordering_key")
+
+    @property
+    def insert_many_unordered(self) -> str:
+        # a batch without ordered rows does not read ordering_key back: a producer role
+        # granted SELECT (id, dedupe_key) only, as before ordered delivery, can run it
+        return self._insert_many("NULL::text")
+
+    def _insert_many(self, ordering_key: str) -> str:
         return (
             f"INSERT INTO {self.qualified}"
             " (topic, payload, dedupe_key, headers, max_attempts, available_at, ordering_key)"
@@ -218,7 +237,7 @@ class Queries:
             " WITH ORDINALITY AS u(topic, payload, dedupe_key, headers, max_attempts,"
             " available_at, delay, ordering_key, ord)"
             " ORDER BY u.ord"
-            " ON CONFLICT (dedupe_key) DO NOTHING RETURNING id, dedupe_key, ordering_key"
+            f" ON CONFLICT (dedupe_key) DO NOTHING RETURNING id, dedupe_key, {ordering_key}"
         )
 
     # -- consumer ------------------------------------------------------------------

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import InvalidArgument
+from .text import exception_message
 
 __all__ = ["Decoder", "Encoder", "decode_json", "encode_json"]
 
@@ -47,7 +48,7 @@ def encode_json(value: Any, what: str, encoder: Encoder | None = None) -> str:
         ) from None
     except (TypeError, ValueError, OverflowError) as exc:
         cls = TypeError if isinstance(exc, TypeError) else InvalidArgument
-        raise cls(f"{what} is not JSON-serialisable: {exc}") from exc
+        raise cls(f"{what} is not JSON-serialisable: {exception_message(exc)}") from exc
     if isinstance(text, bytes):
         text = text.decode()
     if not isinstance(text, str):

@@ -19,6 +19,8 @@ from typing import Any
 import asyncpg
 
 from .. import embedded
+from .._sql.db import permanent_message, permanent_reason
+from .._values.text import describe_exception
 from ..errors import OutboxError, SchemaNotReady
 from . import logsetup
 from .commands import table_hint
@@ -77,7 +79,12 @@ def _call(args: argparse.Namespace) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
-        print(f"{prog}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        reason = permanent_reason(exc)
+        if reason is not None:  # one line with the fix, not asyncpg's multi-line hint
+            message = permanent_message(exc, f"{prog} {args.command}", reason)
+        else:
+            message = describe_exception(exc)
+        print(f"{prog}: error: {message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

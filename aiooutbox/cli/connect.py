@@ -21,6 +21,7 @@ import anyio
 import asyncpg
 
 from .. import embedded
+from .._values.text import exception_message
 from ..migrations import check_schema, migrate
 from .args import redact
 from .errors import CommandError
@@ -34,10 +35,10 @@ def _reason(exc: BaseException) -> str:
     if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
         return f"no answer within {CONNECT_TIMEOUT:g}s"
     if isinstance(exc, ConnectionRefusedError):
-        return f"{exc} (is PostgreSQL running there?)"
+        return f"{exception_message(exc)} (is PostgreSQL running there?)"
     if isinstance(exc, socket.gaierror):
-        return f"{exc} (is the host name spelled right?)"
-    return str(exc) or type(exc).__name__
+        return f"{exception_message(exc)} (is the host name spelled right?)"
+    return exception_message(exc) or type(exc).__name__
 
 
 def resolve_data_dir(args: argparse.Namespace) -> Path:

@@ -21,7 +21,9 @@ import asyncpg
 
 from .. import admin
 from .._engine.options import ConsumerOptions
+from .._values.text import describe_exception, exception_message
 from ..consumer import OutboxConsumer
+from ..errors import OutboxError
 from ..handlers import Handler, resolve_handlers
 from ..health import ConsumerHealth
 from ..observe import Observer
@@ -83,11 +85,11 @@ async def load_handlers(spec: str) -> dict[str, Handler]:
                 f"cannot import {module_name!r}: no module named {missing!r} "
                 "(run from the directory that holds it, or set PYTHONPATH)"
             ) from None
-        raise _import_failed(module_name, exc, str(exc)) from None
+        raise _import_failed(module_name, exc, exception_message(exc)) from None
     except SyntaxError as exc:
         raise _import_failed(module_name, exc, f"{type(exc).__name__}: {exc.msg}") from None
     except Exception as exc:
-        raise _import_failed(module_name, exc, f"{type(exc).__name__}: {exc}") from None
+        raise _import_failed(module_name, exc, describe_exception(exc)) from None
     for name in attribute.split("."):
         try:
             target = getattr(target, name)
@@ -101,7 +103,7 @@ async def load_handlers(spec: str) -> dict[str, Handler]:
         except Exception as exc:
             logger.debug("calling %s() failed", spec, exc_info=exc)
             raise CommandError(
-                f"calling {spec}() failed: {type(exc).__name__}: {exc}{_where(exc)}"
+                f"calling {spec}() failed: {describe_exception(exc)}{_where(exc)}"
             ) from None
     if not isinstance(target, Mapping):
         raise UsageError(
@@ -111,7 +113,7 @@ async def load_handlers(spec: str) -> dict[str, Handler]:
     try:
         return resolve_handlers(target)
     except (TypeError, ValueError) as exc:
-        raise UsageError(f"{spec}: {exc}") from None
+        raise UsageError(f"{spec}: {exception_message(exc)}") from None
 
 
 class _Signals:
@@ -290,7 +292,13 @@ async def _consume(
             try:
                 await consumer.run(handlers)
             except (Exception, SystemExit, KeyboardInterrupt) as exc:
-                logger.error("consumer failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+                # our own errors say what to fix in one line; the traceback is for debugging
+                logger.error(
+                    "consumer failed: %s",
+                    describe_exception(exc),
+                    exc_info=None if isinstance(exc, OutboxError) else exc,
+                )
+                logger.debug("consumer failed", exc_info=exc)
                 return 1
     s = consumer.stats
     logger.info(
@@ -335,7 +343,7 @@ async def _warn_unconsumed(pool: Any, args: argparse.Namespace, topics: list[str
             10,
         )
     except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-        logger.debug("could not look for unconsumed topics: %s", exc)
+        logger.debug("could not look for unconsumed topics: %s", describe_exception(exc))
         return
     if found:
         listed = ", ".join(

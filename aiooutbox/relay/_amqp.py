@@ -14,6 +14,7 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from .._values.text import exception_message
 from ._sink import Message, Sink, require
 
 __all__ = ["RabbitMQSink", "Unroutable"]
@@ -120,7 +121,8 @@ class RabbitMQSink(Sink):
                 f"exchange {self.exchange_name or '(default)'!r}"
             ) from None
         except self._nacked as exc:
-            raise Unroutable(f"the broker refused the message (nack): {exc}") from None
+            reason = exception_message(exc)
+            raise Unroutable(f"the broker refused the message (nack): {reason}") from None
 
     def _is_outage(self, exc: BaseException) -> bool:
         return isinstance(exc, self._outages)

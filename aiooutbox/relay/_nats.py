@@ -25,6 +25,7 @@ from datetime import timedelta
 from typing import Any
 
 from .._values.codec import decode_json
+from .._values.text import describe_exception
 from ._sink import Message, Sink, logger, require
 
 __all__ = ["NatsSink", "NoStreamForSubject"]
@@ -103,7 +104,7 @@ class NatsSink(Sink):
 
     async def _open(self) -> None:
         async def quiet(exc: Exception) -> None:  # nats-py logs every error otherwise
-            logger.debug("nats: %s: %s", type(exc).__name__, exc)
+            logger.debug("nats: %s", describe_exception(exc))
 
         options: dict[str, Any] = {
             "servers": self.servers,

@@ -10,6 +10,7 @@ import logging
 from typing import Any
 
 from .._values.limits import MAX_WORKER_ID
+from .._values.text import describe_exception, exception_message
 from ..cli.args import DURATION, POSITIVE_INT, env_default, redact
 from ..cli.connect import apply_migrations, open_pool, resolve_dsn
 from ..cli.consumer_flags import add_consumer_options, build_options
@@ -25,7 +26,7 @@ from ..cli.options import (
 )
 from ..cli.run import Telemetry, _settings, _Signals, telemetry
 from ..consumer import OutboxConsumer
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, OutboxError
 from ..handlers import ALL_TOPICS
 
 __all__ = ["add_relay_command", "cmd_relay"]
@@ -137,9 +138,9 @@ def _sink(args: argparse.Namespace) -> Any:
             args.to, destination=args.destination, exchange=args.exchange, **options
         )
     except (InvalidArgument, TypeError) as exc:
-        raise UsageError(f"--to/--destination: {exc}") from None
+        raise UsageError(f"--to/--destination: {exception_message(exc)}") from None
     except ImportError as exc:
-        raise CommandError(str(exc).split(" (")[0]) from None
+        raise CommandError(exception_message(exc).split(" (")[0]) from None
 
 
 async def cmd_relay(args: argparse.Namespace) -> int:
@@ -199,7 +200,13 @@ async def _relay(
                 try:
                     await consumer.run(handlers)
                 except (Exception, SystemExit, KeyboardInterrupt) as exc:
-                    logger.error("relay failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+                    # our own errors say what to fix in one line; the traceback is for debugging
+                    logger.error(
+                        "relay failed: %s",
+                        describe_exception(exc),
+                        exc_info=None if isinstance(exc, OutboxError) else exc,
+                    )
+                    logger.debug("relay failed", exc_info=exc)
                     return 1
         finally:
             await sink.close()

@@ -29,6 +29,7 @@ from types import TracebackType
 from typing import Any, ClassVar
 
 from .._values.limits import check_seconds
+from .._values.text import describe_exception, exception_message
 from ..errors import Dead, InvalidArgument, OutboxError
 from ..events import Event
 
@@ -67,7 +68,9 @@ def check_template(template: object, what: str = "destination") -> str:
     try:
         fields = [f for _, f, spec, conv in string.Formatter().parse(template) if f is not None]
     except ValueError as exc:
-        raise InvalidArgument(f"{what} {template!r} is not a valid template: {exc}") from None
+        raise InvalidArgument(
+            f"{what} {template!r} is not a valid template: {exception_message(exc)}"
+        ) from None
     unknown = sorted(set(fields) - _FIELDS)
     if unknown:
         raise InvalidArgument(
@@ -213,13 +216,15 @@ class Sink:
             ) from None
         except (OSError, ConnectionError) as exc:
             await self._abort()
-            raise BrokerUnavailable(f"{self.name} at {self.describe()}: {exc}") from None
+            raise BrokerUnavailable(
+                f"{self.name} at {self.describe()}: {exception_message(exc)}"
+            ) from None
         except Exception as exc:
             await self._abort()
             if isinstance(exc, OutboxError):
                 raise
             raise BrokerUnavailable(
-                f"{self.name} at {self.describe()}: {type(exc).__name__}: {exc}"
+                f"{self.name} at {self.describe()}: {describe_exception(exc)}"
             ) from None
         self._state = _State.OPEN
         logger.info("%s sink connected to %s", self.name, self.describe())
@@ -237,7 +242,9 @@ class Sink:
         try:
             await self._close()
         except Exception as exc:  # a half-open client; the start error is what matters
-            logger.debug("closing a %s sink that failed to start: %s", self.name, exc)
+            logger.debug(
+                "closing a %s sink that failed to start: %s", self.name, describe_exception(exc)
+            )
 
     async def __aenter__(self) -> Sink:
         await self.start()
@@ -296,12 +303,10 @@ class Sink:
         if self._outage_since is None:
             self._outage_since = now
             logger.warning(
-                "%s sink: %s unavailable (%s: %s); holding events until it is back "
-                "(up to %gs each)",
+                "%s sink: %s unavailable (%s); holding events until it is back (up to %gs each)",
                 self.name,
                 self.describe(),
-                type(exc).__name__,
-                exc,
+                describe_exception(exc),
                 self.reconnect_wait,
             )
 
@@ -332,5 +337,6 @@ def require(module: str, extra: str) -> Any:
         return importlib.import_module(module)
     except ImportError as exc:
         raise ImportError(
-            f"this sink needs {module!r}: pip install 'aiooutbox[{extra}]' ({exc})"
+            f"this sink needs {module!r}: pip install 'aiooutbox[{extra}]' "
+            f"({exception_message(exc)})"
         ) from exc
