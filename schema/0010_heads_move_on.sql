@@ -110,7 +110,8 @@ BEGIN
     IF cardinality(ids) = 0 THEN
         RETURN;
     END IF;
-    WITH x AS (
+    -- MATERIALIZED: each row's check runs once, not once per column that reads it
+    WITH x AS MATERIALIZED (
         SELECT c.id, c.ordering_key IS NOT NULL AND EXISTS (
                    SELECT 1 FROM "{{schema}}"."{{table}}" o
                    WHERE o.ordering_key = c.ordering_key AND o.id < c.id

@@ -245,6 +245,33 @@ async def test_lease_recovery_split_across_batches_keeps_one_head_in_order(
         assert [r[0] for r in attempts] == [1, 0, 0, 0]  # given back behind the head
 
 
+async def test_lease_recovery_of_runs_reads_the_key_and_primary_key_indexes(
+    pool: asyncpg.Pool,
+) -> None:
+    """Recovering runs looks at the earlier events of each key through the key index
+    and updates through the primary key, beside a key with a large backlog."""
+    await pool.execute(
+        "INSERT INTO outbox_events (topic, payload, ordering_key, status)"
+        " SELECT 't', '{}', 'big', 'waiting' FROM generate_series(1, 5000)"
+    )
+    await aiooutbox.enqueue_many(
+        pool,
+        [aiooutbox.NewEvent("t", {}, ordering_key=f"k{k}") for _ in range(4) for k in range(50)],
+    )
+    claimed = await pool.fetch(Q.claim, "ghost", 30.0, ["t"], 100, 1 << 40, 10, 200)
+    assert len(claimed) == 200
+    await pool.execute(
+        "UPDATE outbox_events SET lease_expires_at = now() - interval '1 second'"
+        " WHERE status = 'processing'"
+    )
+    await pool.execute("ANALYZE outbox_events")
+    async with pool.acquire() as conn:
+        plans = await nested_plans(conn, Q, [("recover", Q.recover_expired, (1000,))])
+    plan = plans["recover"]
+    assert "Seq Scan" not in plan, plan
+    assert "outbox_events_key_idx" in plan and "outbox_events_pkey" in plan, plan
+
+
 # -- settlements ----------------------------------------------------------------------------
 
 
