@@ -408,3 +408,18 @@ async def test_orphan_sweep_interval_is_checked(pool: asyncpg.Pool) -> None:
     with pytest.raises(TypeError, match="orphan_sweep_interval"):
         aiooutbox.OutboxConsumer(pool, orphan_sweep_interval="5")  # type: ignore[arg-type]
     assert aiooutbox.OutboxConsumer(pool).options.orphan_sweep_interval == 30.0
+
+
+async def test_run_takes_the_orphan_sweep_interval_and_names_the_flag_when_bad(dsn: str) -> None:
+    from aiooutbox._cliconsumer import build_options
+    from aiooutbox.cli import build_parser
+    from tests.clirunner import cli
+
+    handlers = "tests.cli_handlers:handlers"
+    args = build_parser().parse_args(["run", handlers, "--orphan-sweep-interval", "2m"])
+    assert build_options(args).orphan_sweep_interval == 120.0
+    default = build_parser().parse_args(["run", handlers])
+    assert build_options(default).orphan_sweep_interval == 30.0
+    bad = await cli("run", handlers, "--orphan-sweep-interval", "0s", "--dsn", dsn)
+    assert bad.rc == 2 and "Traceback" not in bad.err, bad.err
+    assert "--orphan-sweep-interval must be" in bad.err, bad.err
