@@ -392,7 +392,7 @@ async def test_the_orphan_sweep_reads_each_key_once_not_each_waiting_event(
         )
     await pool.execute("VACUUM ANALYZE outbox_events")
     async with pool.acquire() as conn:
-        plans = await nested_plans(conn, Q, [("sweep", Q.promote_orphans, ())], analyze=True)
+        plans = await nested_plans(conn, Q, [("sweep", Q.orphan_sweep, ())], analyze=True)
     plan = plans["sweep"]
     assert "Seq Scan" not in plan and "Bitmap" not in plan, plan
     assert "outbox_events_key_idx" in plan, plan
