@@ -37,7 +37,7 @@ from ._admin.records import (
     WorkerStats,
 )
 from ._engine.watchdog import inspect_mvcc
-from ._sql.admin import admin_queries
+from ._sql.admin import AdminQueries, admin_queries
 from ._sql.statements import DEFAULT_SCHEMA, DEFAULT_TABLE, queries
 from ._values.codec import decode_json
 from ._values.limits import check_count, check_seconds
@@ -66,6 +66,7 @@ __all__ = [
 logger = logging.getLogger("aiooutbox.admin")
 
 PURGEABLE = ("done", "dead")
+_DEAD_BATCH = 1000  # dead events `dead_purge` deletes per transaction
 _BLOCKED_SHOWN = 20  # blocked ordered keys `stats` lists
 # `stats` names a topic as unconsumed once its oldest claimable event waited this long
 # with no consumer in sight (a poll-only consumer advertises nothing while idle)
@@ -313,17 +314,46 @@ async def delete_dead(
     schema: str = DEFAULT_SCHEMA,
     table: str = DEFAULT_TABLE,
 ) -> list[int]:
-    """`dead_purge`, returning the ids it deleted."""
+    """`dead_purge`, returning the ids it deleted.
+
+    Deletes in batches of 1000, each one statement. An ordered key that a
+    deleted event kept blocked (``on_dead="block"``) moves on to its next event in the
+    same transaction; if a producer is inserting into that key at that moment, the
+    purge waits for the producer's transaction to end (as a row lock would).
+    """
     checked = _ids(ids)
     _selection(checked, topic, everything, "purge")
     age = None if older_than is None else _seconds("older_than", older_than)
     a = admin_queries(schema, table)
-    async with _connection(db) as conn, conn.transaction():
-        deleted = await conn.fetch(a.dead_purge, checked, topic, age)
-        keys = sorted({r[1] for r in deleted if r[1] is not None})
-        if keys:  # a purged dead head no longer holds its key back
-            await conn.execute(a.promote_keys, keys)
-        return sorted(r[0] for r in deleted)
+    deleted: list[int] = []
+    async with _connection(db) as conn:
+        while True:
+            batch = await _delete_dead(conn, a, checked, topic, age, _DEAD_BATCH)
+            deleted += batch
+            if len(batch) < _DEAD_BATCH:
+                return sorted(deleted)
+
+
+async def _delete_dead(
+    conn: Any,
+    a: AdminQueries,
+    ids: list[int] | None,
+    topic: str | None,
+    age: float | None,
+    limit: int,
+) -> list[int]:
+    """One batch of dead events deleted, and the keys they blocked moved on."""
+    row = await conn.fetchrow(a.delete_dead, ids, topic, age, limit)  # one statement
+    if row["skipped"]:
+        # only an event that died blocking its key between the purge's two statements
+        logger.warning(
+            "%d ordered key(s) could not move on after their dead head was purged (a "
+            "producer held the key); a running consumer promotes them within its "
+            "orphan_sweep_interval: %s",
+            len(row["skipped"]),
+            ", ".join(row["skipped"][:20]),
+        )
+    return list(row["deleted"])
 
 
 async def purge(
@@ -339,7 +369,8 @@ async def purge(
 
     Deletes in batches of ``batch_size``, each its own statement, so that a large purge
     never holds locks for long; returns how many rows went. Unfinished events can never
-    be purged.
+    be purged. Purging ``dead`` events moves the ordered keys they blocked on, as
+    `dead_purge` does.
     """
     if status not in PURGEABLE:
         raise InvalidArgument(
@@ -354,9 +385,9 @@ async def purge(
         while True:
             if status == "done":
                 result: str = await conn.execute(q.purge_done, age, batch_size)
-            else:
-                result = await conn.execute(a.purge_status, status, age, batch_size)
-            count = int(result.rsplit(" ", 1)[-1])
+                count = int(result.rsplit(" ", 1)[-1])
+            else:  # the keys a purged dead event blocked move on (see `delete_dead`)
+                count = len(await _delete_dead(conn, a, None, None, age, batch_size))
             deleted += count
             if count < batch_size:
                 return deleted

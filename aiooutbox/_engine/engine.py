@@ -137,9 +137,11 @@ class Engine:
                 lease_timeout=o.lease_timeout,
                 retention=o.retention,
                 statement_timeout=o.statement_timeout,
+                orphan_sweep_interval=o.orphan_sweep_interval,
             )
             services.start_soon(maintenance.heartbeat_loop)
             services.start_soon(maintenance.recovery_loop)
+            services.start_soon(maintenance.sweep_loop)
             if o.watchdog_interval is not None:
                 self.watchdog = Watchdog(self._pool, o)
                 services.start_soon(self.watchdog.run)

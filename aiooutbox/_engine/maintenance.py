@@ -1,9 +1,11 @@
-"""Lease upkeep that runs inside every consumer: heartbeats, recovery, retention.
+"""Lease upkeep that runs inside every consumer: heartbeats, recovery, retention, and
+the orphan sweep.
 
 Heartbeats extend the leases of this consumer's long-running handlers. Recovery returns
 rows whose lease expired (a crashed or partitioned worker) to ``retry``, or to ``dead``
 once their attempts are spent; it is safe with many consumers (``SKIP LOCKED``) and needs
-no extra process. Retention purges old ``done`` rows in bounded batches.
+no extra process. Retention purges old ``done`` rows in bounded batches. The orphan
+sweep promotes the next event of ordered keys left without a head, whatever left them so.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ _RECOVER_BATCH = 1000
 _PURGE_BATCH = 1000
 _PURGE_BATCHES_PER_ROUND = 50  # at most 50k rows per round, so one round stays short
 _PURGE_EVERY = 60.0
+# the sweep's share of the time: it waits at least this many times its last duration
+_SWEEP_DUTY = 50
 
 
 class Maintenance:
@@ -43,6 +47,7 @@ class Maintenance:
         lease_timeout: float,
         retention: float | None,
         statement_timeout: float,
+        orphan_sweep_interval: float,
     ) -> None:
         self._pool = pool
         self._q = queries
@@ -52,6 +57,8 @@ class Maintenance:
         self._lease_timeout = lease_timeout
         self._retention = retention
         self._timeout = statement_timeout
+        self._sweep_interval = orphan_sweep_interval
+        self.sweeps = 0  # orphan sweeps completed
 
     async def heartbeat_loop(self) -> None:
         """Extend the leases of handlers that run longer than a third of the lease."""
@@ -92,12 +99,8 @@ class Maintenance:
         """Recover expired leases; purge old ``done`` rows and stale idle adverts."""
         interval = min(self._lease_timeout / 2, 10.0)
         next_purge = 0.0
-        orphans_promoted = False
         while True:
             try:
-                if not orphans_promoted:
-                    await self._promote_orphans()
-                    orphans_promoted = True
                 recovered = await self._recover()
                 if recovered:
                     self._on_recovered(recovered)
@@ -109,16 +112,55 @@ class Maintenance:
                 logger.warning("maintenance failed (%s)", exception_summary(exc))
             await anyio.sleep(interval * random.uniform(0.8, 1.2))
 
-    async def _promote_orphans(self) -> None:
-        """Once at start: keys whose next event waits with no head left (a promotion
-        lost with a crashed consumer) move on."""
-        row = await bounded(self._pool, "fetchrow", self._q.promote_orphans, timeout=self._timeout)
-        if row is not None and row["promoted"]:
+    async def sweep_loop(self) -> None:
+        """At start, then every ``orphan_sweep_interval`` (jittered ±20%): ordered keys
+        whose next event waits with no head left move on.
+
+        Every statement that settles or removes a head promotes its key's next event,
+        but one can leave a key without a head all the same: an operator's own
+        ``DELETE`` or ``UPDATE`` of a head, a promotion a producer's lock deferred past
+        the stop of the consumer that was to retry it (or made by lease recovery, which
+        does not retry), a crash of a consumer older than ordered delivery. The sweep
+        visits each key with unfinished events once; a sweep that takes longer than a
+        fiftieth of the interval spaces the next ones out to fifty times its duration,
+        so it never costs more than about 2% of one connection's time.
+        """
+        previous = 0.0
+        while True:
+            started = time.monotonic()
+            try:
+                took = await self._sweep()
+                self.sweeps += 1
+            except TRANSIENT_ERRORS as exc:
+                check_permanent(exc, "promoting ordered keys left without a head")
+                logger.warning("orphan sweep failed (%s: %s)", type(exc).__name__, exc)
+                took = time.monotonic() - started  # a sweep past the statement timeout backs off
+            # by the cheaper of the last two: a connection's first call compiles the
+            # functions and loads its caches (~50 ms measured), which says nothing of cost
+            wait = max(self._sweep_interval, _SWEEP_DUTY * min(took, previous))
+            previous = took
+            await anyio.sleep(wait * random.uniform(0.8, 1.2))
+
+    async def _sweep(self) -> float:
+        """One sweep; returns the seconds the server spent on it."""
+        row = await bounded(self._pool, "fetchrow", self._q.orphan_sweep, timeout=self._timeout)
+        if row is None:
+            return 0.0
+        if row["promoted"]:
             logger.warning(
                 "promoted the next event of %d ordered key(s) left without a head",
                 row["promoted"],
+                extra={"promoted": row["promoted"]},
             )
             self._on_recovered(row["promoted"])
+        if row["skipped"]:
+            # a producer holds the key's lock: its commit ends that; the next sweep looks again
+            logger.debug(
+                "orphan sweep: %d key(s) held by producers, left for the next sweep",
+                len(row["skipped"]),
+            )
+        seconds: float = row["seconds"]
+        return seconds
 
     async def _recover(self) -> int:
         total = 0

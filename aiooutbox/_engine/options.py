@@ -25,7 +25,7 @@ from .._values.limits import (
 from ..errors import InvalidArgument
 from ..retry import RetryPolicy
 
-__all__ = ["DEFAULT_MAX_CLAIM_BYTES", "ConsumerOptions"]
+__all__ = ["DEFAULT_MAX_CLAIM_BYTES", "DEFAULT_ORPHAN_SWEEP", "ConsumerOptions"]
 
 # A claim stops adding rows once the stored payloads it holds reach this many bytes
 # (after TOAST compression; the first row is always taken); why: docs/benchmarks.md, 8.
@@ -35,6 +35,10 @@ DEFAULT_MAX_CLAIM_BYTES = 16 * 1024 * 1024
 # 512, and at concurrency 64 they were half the client CPU of a drain (docs/benchmarks.md,
 # "Prefetch"; 256 left a third more CPU per event, 1024 gained nothing over 512).
 PREFETCH_TO = 512
+# Every consumer looks this often for ordered keys left without a head (waiting events
+# that nothing will promote: an operator deleted the head in SQL, a promotion deferred
+# by a producer's lock outlived the consumer that was to retry it) and promotes them.
+DEFAULT_ORPHAN_SWEEP = 30.0
 
 
 def _default_worker_id() -> str:
@@ -68,6 +72,7 @@ class ConsumerOptions:
     watchdog_interval: float | None = 60.0
     horizon_warning: float = 300.0
     dead_tuples_warning: int = 1_000_000
+    orphan_sweep_interval: float = DEFAULT_ORPHAN_SWEEP
 
     @classmethod
     def build(
@@ -95,6 +100,7 @@ class ConsumerOptions:
         watchdog_interval: object = 60.0,
         horizon_warning: object = 300.0,
         dead_tuples_warning: object = 1_000_000,
+        orphan_sweep_interval: object = DEFAULT_ORPHAN_SWEEP,
     ) -> ConsumerOptions:
         """Check every value (raising `TypeError`/`InvalidArgument`) and freeze them."""
         q = queries(schema, table)  # validated inside
@@ -132,6 +138,9 @@ class ConsumerOptions:
             watchdog_interval=optional_seconds("watchdog_interval", watchdog_interval, minimum=1.0),
             horizon_warning=check_seconds("horizon_warning", horizon_warning, minimum=1.0),
             dead_tuples_warning=check_count("dead_tuples_warning", dead_tuples_warning, 1, 1 << 62),
+            orphan_sweep_interval=check_seconds(
+                "orphan_sweep_interval", orphan_sweep_interval, minimum=0.1
+            ),
         )
 
     @property

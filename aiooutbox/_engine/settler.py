@@ -143,6 +143,16 @@ class Settler:
                 async with self._flush_lock:
                     await self._flush_locked()
             self._abandon("the database could not be reached before the shutdown deadline")
+            if self._promote_later:
+                keys = sorted(self._promote_later)
+                logger.warning(
+                    "%d ordered key(s) could not move on to their next event before the "
+                    "stop (a producer held the key); a running consumer's orphan sweep "
+                    "promotes them: %s",
+                    len(keys),
+                    ", ".join(keys[:_SHOWN_IDS]) + (" ..." if len(keys) > _SHOWN_IDS else ""),
+                    extra={"ordering_keys": keys[:1000]},
+                )
 
     async def _flush_locked(self) -> None:
         delay = 0.05

@@ -132,30 +132,13 @@ class AdminQueries:
         )
 
     @property
-    def promote_keys(self) -> str:
-        # $1 keys: move each on to its next waiting event if it has no head left
-        return f"SELECT * FROM {self._function('promote')}($1::text[])"
-
-    @property
-    def dead_purge(self) -> str:
+    def delete_dead(self) -> str:
+        # $1 ids or NULL, $2 topic or NULL, $3 age in seconds or NULL, $4 the most rows
+        # to delete or NULL: one row (deleted ids, keys promoted, keys skipped). The keys
+        # a deleted event blocked move on to their next event (migration 0010)
         return (
-            f"DELETE FROM {self.qualified}"
-            " WHERE status = 'dead' AND ($1::bigint[] IS NULL OR id = ANY ($1::bigint[]))"
-            " AND ($2::text IS NULL OR topic = $2)"
-            " AND ($3::float8 IS NULL"
-            "  OR coalesce(finished_at, updated_at) < now() - make_interval(secs => $3))"
-            " RETURNING id, ordering_key"
-        )
-
-    @property
-    def purge_status(self) -> str:
-        # $1 status, $2 age seconds, $3 batch size (callers loop until fewer are deleted)
-        return (
-            f"DELETE FROM {self.qualified} WHERE id = ANY (ARRAY("
-            f" SELECT id FROM {self.qualified}"
-            f"  WHERE status = $1::text::{self.status_type}"
-            "  AND coalesce(finished_at, updated_at) < now() - make_interval(secs => $2::float8)"
-            "  LIMIT $3))"
+            f"SELECT * FROM {self._function('delete_dead')}"
+            "($1::bigint[], $2::text, $3::float8, $4::int)"
         )
 
     # -- operator: what the command line reports beyond counts ---------------------

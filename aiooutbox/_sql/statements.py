@@ -291,6 +291,16 @@ class Queries:
         return f"SELECT * FROM {self._function('promote_orphans')}()"
 
     @property
+    def orphan_sweep(self) -> str:
+        # `promote_orphans`, and the seconds the server spent on it (the sweep spaces
+        # itself out by what it costs the database, not by a connection's set-up)
+        return (
+            "SELECT p.promoted, p.skipped,"
+            " extract(epoch FROM clock_timestamp() - statement_timestamp())::float8 AS seconds"
+            f" FROM {self._function('promote_orphans')}() AS p"
+        )
+
+    @property
     def extend_leases(self) -> str:
         # $1 ids, $2 worker id, $3 lease seconds
         return (

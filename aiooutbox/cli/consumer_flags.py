@@ -68,6 +68,11 @@ def add_consumer_options(parser: argparse.ArgumentParser, *, topics_help: str) -
         ("--poll-interval", "poll_interval", "fallback poll when no notification comes"),
         ("--lease-timeout", "lease_timeout", "recover a silent worker's events after"),
         ("--shutdown-grace", "shutdown_grace", "on stop, let running handlers finish for"),
+        (
+            "--orphan-sweep-interval",
+            "orphan_sweep_interval",
+            "look this often for ordered keys left without a head, and move them on",
+        ),
     ):
         env = "AIOOUTBOX_" + key.upper()
         group.add_argument(
@@ -177,6 +182,7 @@ _FLAGS = {
     "listen_probe_interval": "--listen-probe-interval",
     "watchdog_interval": "--watchdog-interval",
     "horizon_warning": "--horizon-warning",
+    "orphan_sweep_interval": "--orphan-sweep-interval",
     "RetryPolicy.base": "--retry-base",
     "RetryPolicy.factor": "--retry-factor",
     "RetryPolicy.max_delay": "--retry-max-delay",
@@ -214,6 +220,7 @@ def build_options(args: argparse.Namespace) -> ConsumerOptions:
             listen_probe_interval=args.listen_probe_interval,
             watchdog_interval=args.watchdog_interval,
             horizon_warning=args.horizon_warning,
+            orphan_sweep_interval=args.orphan_sweep_interval,
         )
     except (InvalidArgument, TypeError) as exc:
         message = str(exc)
