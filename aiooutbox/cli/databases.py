@@ -26,7 +26,7 @@ __all__ = ["NAME_PATTERN", "TARGET", "Target", "parse_target", "read_dsn_file", 
 
 #: a database's name: what the ``database`` label, the logs and ``stats`` show
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,62}")
-_NAMED = re.compile(r"([^=:/\s]+)=(.*)", re.DOTALL)  # a DSN never starts with NAME=
+_NAMED = re.compile(r"([^=:/]+)=(.*)", re.DOTALL)  # a DSN never starts with NAME=
 _MAX_FILE = 1 << 20  # bytes: a DSN file is a short list, not a data file
 
 
