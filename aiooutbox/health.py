@@ -84,6 +84,11 @@ class ConsumerHealth(Observer):
 
     # -- the check -----------------------------------------------------------------
     @property
+    def consumer(self) -> ObservedConsumer | None:
+        """The consumer watched, once attached."""
+        return self._consumer
+
+    @property
     def max_silence(self) -> float:
         if self._max_silence is not None:
             return self._max_silence

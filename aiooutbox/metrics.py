@@ -17,6 +17,11 @@ aiooutbox`` never imports this module. Three parts:
   to 127.0.0.1 unless told otherwise. It runs on the consumer's event loop, so gauges
   are read without threads.
 
+One process serving several databases (``relay --dsn A --dsn B``) names each:
+``metrics.database("a")`` is the observer for that database's consumer and
+``metrics.queue_gauges(pool_a, database="a")`` its table's gauges; every family then
+carries a ``database`` label. Without names the families are as they always were.
+
 The collectors that turn counts into families at scrape time are in
 `_observability.collectors`; the queue query's loop is `_observability.queue_gauges`,
 the server `_observability.http_server` (both importable from here). Every metric, its
@@ -45,6 +50,7 @@ except ImportError as exc:  # pragma: no cover - exercised by the packaging test
 
 from ._observability.collectors import (
     ConsumerGauges,
+    Consumers,
     EventCollector,
     EventCounts,
     MvccCollector,
@@ -58,7 +64,7 @@ from .errors import InvalidArgument
 from .events import Event
 from .observe import ObservedConsumer, Observer
 
-__all__ = ["HANDLER_BUCKETS", "MetricsServer", "OutboxMetrics", "QueueGauges"]
+__all__ = ["HANDLER_BUCKETS", "DatabaseMetrics", "MetricsServer", "OutboxMetrics", "QueueGauges"]
 
 logger = logging.getLogger("aiooutbox.metrics")
 
@@ -70,7 +76,33 @@ HANDLER_BUCKETS = (
 )  # fmt: skip
 
 
-class OutboxMetrics(Observer):
+class _Counting(Observer):
+    """The per-event hooks: counts on the event loop, in this object's `EventCounts`."""
+
+    def __init__(self, handler_bounds: tuple[float, ...]) -> None:
+        self._handler_bounds = handler_bounds
+        self._counts = EventCounts(handler_bounds)
+        self._outcomes = self._counts.outcomes  # the same dicts, one lookup less per event
+        self._handler = self._counts.handler
+
+    def claimed(self, rows: int, seconds: float) -> None:
+        self._counts.claimed += rows
+        self._counts.claim.observe(seconds)
+
+    def handler_finished(
+        self, event: Event, token: Any, outcome: str, seconds: float, error: BaseException | None
+    ) -> None:
+        histogram = self._handler.get(event.topic)
+        if histogram is None:
+            histogram = self._handler[event.topic] = PlainHistogram(self._handler_bounds)
+        histogram.observe(seconds)
+
+    def settled(self, topic: str, outcome: str) -> None:
+        key = (topic, outcome)
+        self._outcomes[key] = self._outcomes.get(key, 0) + 1
+
+
+class OutboxMetrics(_Counting):
     """Registers aiooutbox's metric families on ``registry`` and feeds them as an observer.
 
     ``registry=None`` means prometheus_client's global ``REGISTRY``. Use one instance for
@@ -93,16 +125,16 @@ class OutboxMetrics(Observer):
         # own Counter/Histogram take a lock per update (measured here: ~7 us per event for
         # the outcome and the duration, against ~2 us this way). Every update happens on
         # the event loop; a scrape from another thread copies them first.
-        self._handler_bounds = bounds
-        self._counts = EventCounts(bounds)
-        self._outcomes = self._counts.outcomes  # the same dicts, one lookup less per event
-        self._handler = self._counts.handler
-        self._consumers: weakref.WeakSet[ObservedConsumer] = weakref.WeakSet()
-        self._queue: QueueGauges | None = None
+        super().__init__(bounds)
+        # per database name (None: unnamed); the named ones are `DatabaseMetrics`'
+        self._all_counts: dict[str | None, EventCounts] = {None: self._counts}
+        self._databases: dict[str, DatabaseMetrics] = {}
+        self._consumers: Consumers = weakref.WeakKeyDictionary()
+        self._queues: dict[str | None, QueueGauges] = {}
         self._collectors = (
-            EventCollector(self._counts),
+            EventCollector(self._all_counts),
             ConsumerGauges(self._consumers),
-            QueueCollector(lambda: self._queue),
+            QueueCollector(lambda: self._queues),
             MvccCollector(self._consumers),
         )
         registered: list[Collector] = []
@@ -121,25 +153,20 @@ class OutboxMetrics(Observer):
             with contextlib.suppress(KeyError):
                 self.registry.unregister(collector)
 
+    def database(self, name: str) -> DatabaseMetrics:
+        """The observer for the consumer of the database called ``name``: its counts and
+        gauges carry ``database=name``. The same object for the same name."""
+        if not isinstance(name, str) or not name.strip():
+            raise InvalidArgument(f"a database's name must be a non-empty str, not {name!r}")
+        found = self._databases.get(name)
+        if found is None:
+            found = self._databases[name] = DatabaseMetrics(self, name)
+            self._all_counts[name] = found._counts
+        return found
+
     # -- Observer ------------------------------------------------------------------
     def attached(self, consumer: ObservedConsumer) -> None:
-        self._consumers.add(consumer)
-
-    def claimed(self, rows: int, seconds: float) -> None:
-        self._counts.claimed += rows
-        self._counts.claim.observe(seconds)
-
-    def handler_finished(
-        self, event: Event, token: Any, outcome: str, seconds: float, error: BaseException | None
-    ) -> None:
-        histogram = self._handler.get(event.topic)
-        if histogram is None:
-            histogram = self._handler[event.topic] = PlainHistogram(self._handler_bounds)
-        histogram.observe(seconds)
-
-    def settled(self, topic: str, outcome: str) -> None:
-        key = (topic, outcome)
-        self._outcomes[key] = self._outcomes.get(key, 0) + 1
+        self._consumers[consumer] = None
 
     # -- the table's gauges ----------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -150,22 +177,42 @@ class OutboxMetrics(Observer):
         schema: str = DEFAULT_SCHEMA,
         table: str = DEFAULT_TABLE,
         interval: float = 15.0,
+        database: str | None = None,
     ) -> AsyncIterator[QueueGauges]:
         """Refresh ``aiooutbox_queue_depth``/``_lag_seconds`` every ``interval`` seconds
-        until the block exits. The first refresh runs before the block starts."""
-        if self._queue is not None:
-            raise RuntimeError("this OutboxMetrics already tracks a queue table")
+        until the block exits. The first refresh runs before the block starts.
+
+        One queue table per database name; ``database`` (the name given to `database`)
+        labels its gauges."""
+        if database is not None and (not isinstance(database, str) or not database.strip()):
+            raise InvalidArgument(f"a database's name must be a non-empty str, not {database!r}")
+        if database in self._queues:
+            which = "" if database is None else f" of database {database!r}"
+            raise RuntimeError(f"this OutboxMetrics already tracks the queue table{which}")
         gauges = QueueGauges(pool, schema=schema, table=table, interval=interval)
         pause = await gauges.attempt()
         # a task of our own rather than a task group: the block's errors stay its own
         loop = asyncio.ensure_future(gauges.run(pause=pause))
-        self._queue = gauges
+        self._queues[database] = gauges
         try:
             yield gauges
         finally:
-            self._queue = None
+            del self._queues[database]
             loop.cancel()
             with anyio.CancelScope(shield=True):
                 await asyncio.wait([loop])
             if not loop.cancelled() and loop.exception() is not None:
                 logger.error("queue gauges loop failed", exc_info=loop.exception())
+
+
+class DatabaseMetrics(_Counting):
+    """`OutboxMetrics` for the consumer of one named database (`OutboxMetrics.database`):
+    the same families, labelled ``database=<name>``."""
+
+    def __init__(self, metrics: OutboxMetrics, name: str) -> None:
+        super().__init__(metrics._handler_bounds)
+        self.metrics = metrics
+        self.name = name
+
+    def attached(self, consumer: ObservedConsumer) -> None:
+        self.metrics._consumers[consumer] = self.name

@@ -3,13 +3,18 @@
 Counts are plain Python numbers updated on the event loop (`PlainHistogram`); the
 collectors turn them, the consumers' gauges and the queue table's last snapshot into
 metric families only when a scrape asks.
+
+A process relaying several databases names each one (`OutboxMetrics.database`): then,
+and only then, every family carries a ``database`` label first; a process with one
+unnamed database serves the families exactly as before. Counts kept without a name
+(``None``) are served with ``database=""`` beside named ones.
 """
 
 from __future__ import annotations
 
 import bisect
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -46,6 +51,22 @@ _HOLDER_KINDS = {
     "replication slot": "replication_slot",
 }
 _TIMED_KINDS = ("backend", "prepared_transaction")  # a slot has no start time
+
+#: a database's name, as `OutboxMetrics.database` was given it; None: not named
+Name = str | None
+
+
+def _named(names: Iterable[Name]) -> bool:
+    """Whether the families carry the ``database`` label: once any database is named."""
+    return any(n is not None for n in names)
+
+
+def _labels(named: bool, labels: list[str]) -> list[str]:
+    return ["database", *labels] if named else labels
+
+
+def _values(named: bool, name: Name, values: list[str]) -> list[str]:
+    return [name or "", *values] if named else values
 
 
 class PlainHistogram:
@@ -85,12 +106,18 @@ class EventCounts:
     claim: PlainHistogram = field(default_factory=lambda: PlainHistogram(CLAIM_BUCKETS))
     claimed: int = 0
 
+    @property
+    def used(self) -> bool:
+        """Whether anything was counted here."""
+        return bool(self.outcomes or self.handler or self.claim.count)
+
 
 class EventCollector(Collector):
-    """The counters and histograms `OutboxMetrics` keeps, as Prometheus families."""
+    """The counters and histograms `OutboxMetrics` keeps, as Prometheus families: one
+    `EventCounts` per database name (``None``: the unnamed one)."""
 
-    def __init__(self, counts: EventCounts) -> None:
-        self._m = counts
+    def __init__(self, counts: Mapping[Name, EventCounts]) -> None:
+        self._counts = counts
 
     def describe(self) -> list[Metric]:
         return list(self._families())  # names only: lets the registry refuse duplicates
@@ -99,63 +126,94 @@ class EventCollector(Collector):
         return iter(self._families(values=True))
 
     def _families(self, values: bool = False) -> list[Metric]:
-        m = self._m
+        every = dict(self._counts)
+        named = _named(every)
+        if named and every.get(None) is not None and not every[None].used:
+            del every[None]  # the unnamed counts of a process that names its databases
         events = CounterMetricFamily(
             "aiooutbox_events",
             "Outcomes recorded by this process: done, retry, dead, released.",
-            labels=["topic", "outcome"],
+            labels=_labels(named, ["topic", "outcome"]),
         )
         handler = HistogramMetricFamily(
             "aiooutbox_handler_duration_seconds",
             "Wall time of one handler run, whatever its outcome.",
-            labels=["topic"],
+            labels=_labels(named, ["topic"]),
         )
         claim = HistogramMetricFamily(
             "aiooutbox_claim_duration_seconds",
             "Round trip of one claim statement, empty claims included.",
+            labels=_labels(named, []),
         )
-        claimed = CounterMetricFamily("aiooutbox_claimed", "Events claimed by this process.")
-        claims = CounterMetricFamily("aiooutbox_claims", "Claim statements run by this process.")
+        claimed = CounterMetricFamily(
+            "aiooutbox_claimed", "Events claimed by this process.", labels=_labels(named, [])
+        )
+        claims = CounterMetricFamily(
+            "aiooutbox_claims", "Claim statements run by this process.", labels=_labels(named, [])
+        )
         if values:
-            for (topic, outcome), n in sorted(m.outcomes.items()):
-                events.add_metric([topic, outcome], n)
-            for topic, h in sorted(m.handler.items()):
-                handler.add_metric([topic], h.buckets(), h.sum)
-            claim.add_metric([], m.claim.buckets(), m.claim.sum)
-            claimed.add_metric([], m.claimed)
-            claims.add_metric([], m.claim.count)
+            for name, m in sorted(every.items(), key=lambda item: item[0] or ""):
+                for (topic, outcome), n in sorted(m.outcomes.items()):
+                    events.add_metric(_values(named, name, [topic, outcome]), n)
+                for topic, h in sorted(m.handler.items()):
+                    handler.add_metric(_values(named, name, [topic]), h.buckets(), h.sum)
+                claim.add_metric(_values(named, name, []), m.claim.buckets(), m.claim.sum)
+                claimed.add_metric(_values(named, name, []), m.claimed)
+                claims.add_metric(_values(named, name, []), m.claim.count)
         return [events, handler, claim, claimed, claims]
+
+
+#: the consumers an `OutboxMetrics` observes, each with the name of its database
+Consumers = weakref.WeakKeyDictionary[ObservedConsumer, Name]
+
+
+def _by_database(consumers: Consumers) -> dict[Name, list[ObservedConsumer]]:
+    grouped: dict[Name, list[ObservedConsumer]] = {}
+    for consumer, name in list(consumers.items()):
+        grouped.setdefault(name, []).append(consumer)
+    return grouped
 
 
 class ConsumerGauges(Collector):
     """Gauges read from the consumers at scrape time, never pushed."""
 
-    def __init__(self, consumers: weakref.WeakSet[ObservedConsumer]) -> None:
+    def __init__(self, consumers: Consumers) -> None:
         self._consumers = consumers
 
     def describe(self) -> list[Metric]:
         return []  # dynamic: keeps the registry from calling collect() at register time
 
     def collect(self) -> Iterator[Metric]:
-        running = [c for c in list(self._consumers) if c.running]
-        yield GaugeMetricFamily(
+        grouped = _by_database(self._consumers)
+        named = _named(grouped)
+        in_flight = GaugeMetricFamily(
             "aiooutbox_in_flight",
             "Events claimed by this process's consumers and not yet settled.",
-            value=sum(c.stats.in_flight for c in running),
+            labels=_labels(named, []),
         )
-        yield GaugeMetricFamily(
+        backlog = GaugeMetricFamily(
             "aiooutbox_settle_backlog",
             "Outcomes recorded but not yet written to the database.",
-            value=sum(c.settle_backlog for c in running),
+            labels=_labels(named, []),
         )
-        listening = [c for c in running if c.options.listen]
-        family = GaugeMetricFamily(
+        connected = GaugeMetricFamily(
             "aiooutbox_listener_connected",
             "1 while every listening consumer's LISTEN connection is up, else 0.",
+            labels=_labels(named, []),
         )
-        if listening:
-            family.add_metric([], 1.0 if all(c.listening for c in listening) else 0.0)
-        yield family
+        if not grouped:
+            grouped = {None: []}
+        for name, consumers in sorted(grouped.items(), key=lambda item: item[0] or ""):
+            running = [c for c in consumers if c.running]
+            key = _values(named, name, [])
+            in_flight.add_metric(key, sum(c.stats.in_flight for c in running))
+            backlog.add_metric(key, sum(c.settle_backlog for c in running))
+            listening = [c for c in running if c.options.listen]
+            if listening:
+                connected.add_metric(key, 1.0 if all(c.listening for c in listening) else 0.0)
+        yield in_flight
+        yield backlog
+        yield connected
 
 
 class MvccCollector(Collector):
@@ -169,53 +227,59 @@ class MvccCollector(Collector):
     for three intervals) the families are empty.
     """
 
-    def __init__(self, consumers: weakref.WeakSet[ObservedConsumer]) -> None:
+    def __init__(self, consumers: Consumers) -> None:
         self._consumers = consumers
 
     def describe(self) -> list[Metric]:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        newest: dict[str, MvccReport] = {}
-        for consumer in list(self._consumers):
-            report = consumer.mvcc if consumer.running else None
-            if report is None:
-                continue
-            q = consumer.options.queries
-            table = f"{q.schema}.{q.table}"
-            if table not in newest or report.checked_at > newest[table].checked_at:
-                newest[table] = report
+        grouped = _by_database(self._consumers)
+        named = _named(grouped)
+        newest: dict[tuple[str, str], MvccReport] = {}
+        for name, consumers in grouped.items():
+            for consumer in consumers:
+                report = consumer.mvcc if consumer.running else None
+                if report is None:
+                    continue
+                q = consumer.options.queries
+                key = (name or "", f"{q.schema}.{q.table}")
+                if key not in newest or report.checked_at > newest[key].checked_at:
+                    newest[key] = report
         age = GaugeMetricFamily(
             "aiooutbox_xmin_horizon_age_seconds",
             "Seconds the oldest backend or prepared transaction holding the xmin horizon"
             " had been open at the last watchdog check, by kind (0: none).",
-            labels=["holder"],
+            labels=_labels(named, ["holder"]),
         )
         xid_age = GaugeMetricFamily(
             "aiooutbox_xmin_horizon_xid_age",
             "Transaction ids between the horizon held by the oldest holder of each kind"
             " and now, at the last watchdog check (0: none).",
-            labels=["holder"],
+            labels=_labels(named, ["holder"]),
         )
         dead = GaugeMetricFamily(
             "aiooutbox_dead_tuples",
             "Dead tuples of the outbox table (pg_stat_user_tables.n_dead_tup).",
-            labels=["table"],
+            labels=_labels(named, ["table"]),
         )
         live = GaugeMetricFamily(
             "aiooutbox_live_tuples",
             "Live tuples of the outbox table (pg_stat_user_tables.n_live_tup).",
-            labels=["table"],
+            labels=_labels(named, ["table"]),
         )
         checked = GaugeMetricFamily(
             "aiooutbox_mvcc_check_timestamp_seconds",
             "Unix time of the watchdog reading the MVCC gauges come from.",
-            labels=["table"],
+            labels=_labels(named, ["table"]),
         )
-        if newest:
+        # the horizon is one database's (each its own server, as far as we know)
+        for database in sorted({d for d, _ in newest}):
             ages = dict.fromkeys(_TIMED_KINDS, 0.0)
             xids = dict.fromkeys(_HOLDER_KINDS.values(), 0.0)
-            for report in newest.values():
+            for (d, _), report in newest.items():
+                if d != database:
+                    continue
                 for holder in report.holders:
                     kind = _HOLDER_KINDS.get(holder.kind)
                     if kind is None:
@@ -225,15 +289,16 @@ class MvccCollector(Collector):
                     if holder.xid_age is not None:
                         xids[kind] = max(xids[kind], float(holder.xid_age))
             for kind, seconds in ages.items():
-                age.add_metric([kind], seconds)
+                age.add_metric(_values(named, database, [kind]), seconds)
             for kind, count in xids.items():
-                xid_age.add_metric([kind], count)
-            for table, report in sorted(newest.items()):
-                if report.dead_tuples is not None:
-                    dead.add_metric([table], float(report.dead_tuples))
-                if report.live_tuples is not None:
-                    live.add_metric([table], float(report.live_tuples))
-                checked.add_metric([table], report.checked_at)
+                xid_age.add_metric(_values(named, database, [kind]), count)
+        for (database, table), report in sorted(newest.items()):
+            labelled = _values(named, database, [table])
+            if report.dead_tuples is not None:
+                dead.add_metric(labelled, float(report.dead_tuples))
+            if report.live_tuples is not None:
+                live.add_metric(labelled, float(report.live_tuples))
+            checked.add_metric(labelled, report.checked_at)
         yield age
         yield xid_age
         yield dead
@@ -242,37 +307,42 @@ class MvccCollector(Collector):
 
 
 class QueueCollector(Collector):
-    """The queue table's gauges, from the last snapshot of the loop ``current`` returns."""
+    """The queue tables' gauges, from the last snapshot of each loop ``current`` returns
+    (one per database name; ``None``: the unnamed one)."""
 
-    def __init__(self, current: Callable[[], QueueGauges | None]) -> None:
+    def __init__(self, current: Callable[[], Mapping[Name, QueueGauges]]) -> None:
         self._current = current
 
     def describe(self) -> list[Metric]:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        queue = self._current()
+        queues = dict(self._current())
+        named = _named(queues)
         depth = GaugeMetricFamily(
             "aiooutbox_queue_depth",
             "Unfinished events by topic and status (pending, retry, processing, waiting).",
-            labels=["topic", "status"],
+            labels=_labels(named, ["topic", "status"]),
         )
         lag = GaugeMetricFamily(
             "aiooutbox_queue_lag_seconds",
             "Age of the oldest claimable event of each topic since it became due (0: none).",
-            labels=["topic"],
+            labels=_labels(named, ["topic"]),
         )
         updated = GaugeMetricFamily(
             "aiooutbox_queue_stats_timestamp_seconds",
             "Unix time of the last successful refresh of the queue gauges.",
+            labels=_labels(named, []),
         )
-        snapshot = queue.snapshot if queue is not None else None
-        if snapshot is not None:
+        for name, queue in sorted(queues.items(), key=lambda item: item[0] or ""):
+            snapshot = queue.snapshot
+            if snapshot is None:
+                continue
             for (topic, status), rows in sorted(snapshot.depth.items()):
-                depth.add_metric([topic, status], rows)
+                depth.add_metric(_values(named, name, [topic, status]), rows)
             for topic, seconds in sorted(snapshot.lag.items()):
-                lag.add_metric([topic], seconds)
-            updated.add_metric([], snapshot.at)
+                lag.add_metric(_values(named, name, [topic]), seconds)
+            updated.add_metric(_values(named, name, []), snapshot.at)
         yield depth
         yield lag
         yield updated

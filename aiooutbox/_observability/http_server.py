@@ -9,15 +9,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import Protocol
 
 import anyio
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from ..errors import InvalidArgument
-from ..health import ConsumerHealth
+from ..health import HealthStatus
 
-__all__ = ["MetricsServer"]
+__all__ = ["HealthCheck", "MetricsServer"]
+
+
+class HealthCheck(Protocol):
+    """What ``/healthz`` asks: `ConsumerHealth`, or one answering for several."""
+
+    async def check(self) -> HealthStatus: ...
+
 
 logger = logging.getLogger("aiooutbox.metrics")
 
@@ -35,7 +43,7 @@ class MetricsServer:
     def __init__(
         self,
         registry: CollectorRegistry | None = None,
-        health: ConsumerHealth | None = None,
+        health: HealthCheck | None = None,
         *,
         host: str = "127.0.0.1",
         port: int = 9464,

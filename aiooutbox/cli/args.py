@@ -166,6 +166,7 @@ NUMBER = _argument_type(_number, "number")
 FRACTION = _argument_type(_fraction, "fraction")
 TOPICS = _argument_type(_topic_list, "topics")
 DSN = _argument_type(_dsn, "dsn")
+check_dsn = _dsn  # the same check, raising InvalidArgument
 JSON = _argument_type(_json_value, "json")
 JSON_OBJECT = _argument_type(_json_object, "json_object")
 SCHEMA = _argument_type(lambda s: validate_identifier("schema", s), "schema")

@@ -8,27 +8,31 @@ to print. ``run`` is `run.cmd_run`.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import json
 import sys
 from typing import Any
 
 import anyio
+import asyncpg
 
 from .. import admin, embedded
-from ..errors import InvalidArgument
-from ..migrations import migration_sql
+from ..errors import InvalidArgument, OutboxError
+from ..migrations import check_schema, migration_sql
 from ..producer import enqueue
 from . import output
 from .connect import (
     apply_migrations,
+    connect,
     database,
     ensure_embedded,
     open_pool,
     resolve_data_dir,
     resolve_dsn,
 )
-from .errors import UsageError
+from .databases import Target, targets
+from .errors import CommandError, UsageError
 
 
 async def cmd_migrate(args: argparse.Namespace) -> int:
@@ -69,6 +73,10 @@ async def cmd_enqueue(args: argparse.Namespace) -> int:
 
 
 async def cmd_stats(args: argparse.Namespace) -> int:
+    found = targets(args)
+    if len(found) > 1:
+        return await _stats_of_many(args, found)
+    args.dsn = found[0].dsn if found else None
     async with database(args) as conn:
         report = await admin.stats(conn, schema=args.schema, table=args.table)
     if args.json:
@@ -76,6 +84,44 @@ async def cmd_stats(args: argparse.Namespace) -> int:
     else:
         print(output.stats_view(report, hint=table_hint(args)))
     return 0
+
+
+async def _stats_of_many(args: argparse.Namespace, found: list[Target]) -> int:
+    """One row per database, read at once; one that cannot be read is reported in its
+    row and on stderr, and the status is 1."""
+
+    async def one(target: Target) -> admin.OutboxStats | str:
+        try:
+            conn = await connect(target.dsn, pgbouncer=args.pgbouncer)
+        except CommandError as exc:
+            return str(exc)
+        try:
+            await check_schema(conn, schema=args.schema, table=args.table)
+            return await admin.stats(conn, schema=args.schema, table=args.table)
+        except (OutboxError, asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            with anyio.CancelScope(shield=True):
+                await conn.close(timeout=5)
+
+    reports = list(zip(found, await asyncio.gather(*(one(t) for t in found)), strict=True))
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    t.name: (r.as_dict() if not isinstance(r, str) else {"error": r})
+                    for t, r in reports
+                },
+                indent=2,
+            )
+        )
+    else:
+        print(output.databases_view([(t.name, r) for t, r in reports], hint=table_hint(args)))
+    failed = [t.name for t, r in reports if isinstance(r, str)]
+    for t, r in reports:
+        if isinstance(r, str):
+            print(f"{args.prog}: error: database {t.name}: {r}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def table_hint(args: argparse.Namespace) -> str:

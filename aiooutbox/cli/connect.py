@@ -123,21 +123,31 @@ async def apply_migrations(
 
 @contextlib.asynccontextmanager
 async def open_pool(dsn: str, *, pgbouncer: bool = False) -> AsyncIterator[asyncpg.Pool]:
-    """A small pool, closed on exit.
+    """A small pool (`make_pool`), closed on exit."""
+    pool = await make_pool(dsn, pgbouncer=pgbouncer)
+    try:
+        yield pool
+    finally:
+        await close_pool(pool)
+
+
+async def make_pool(dsn: str, *, pgbouncer: bool = False) -> asyncpg.Pool:
+    """A small pool with one connection made, or a one-line `CommandError`.
 
     A consumer claims, settles and maintains on up to four connections at once; its
     LISTEN connection is its own.
     """
     try:
-        pool = await asyncpg.create_pool(
+        return await asyncpg.create_pool(
             dsn, min_size=1, max_size=5, timeout=CONNECT_TIMEOUT, **_cache(pgbouncer)
         )
     except Exception as exc:
         raise CommandError(f"cannot connect to {redact(dsn)}: {_reason(exc)}") from None
-    try:
-        yield pool
-    finally:
-        with anyio.CancelScope(shield=True), anyio.move_on_after(10) as scope:
-            await pool.close()
-        if scope.cancelled_caught:
-            pool.terminate()
+
+
+async def close_pool(pool: asyncpg.Pool) -> None:
+    """Close ``pool`` within 10 s, even when cancelled; terminate it past that."""
+    with anyio.CancelScope(shield=True), anyio.move_on_after(10) as scope:
+        await pool.close()
+    if scope.cancelled_caught:
+        pool.terminate()

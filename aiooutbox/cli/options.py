@@ -29,6 +29,7 @@ from .args import (
     env_flag,
     env_value,
 )
+from .databases import TARGET
 from .errors import UsageError
 
 
@@ -51,10 +52,33 @@ class Formatter(argparse.RawDescriptionHelpFormatter):
 
 
 def add_database_options(
-    parser: argparse.ArgumentParser, *, table: str | None = None, dsn: bool = True
+    parser: argparse.ArgumentParser,
+    *,
+    table: str | None = None,
+    dsn: bool = True,
+    many: bool = False,
 ) -> None:
+    """``many``: ``--dsn`` repeatable as ``[NAME=]DSN`` and ``--dsn-file``, read into
+    a list of `databases.Target` by `databases.targets` (the environment too)."""
     group = parser.add_argument_group("database")
-    if dsn:
+    if dsn and many:
+        group.add_argument(
+            "--dsn",
+            type=TARGET,
+            action="append",
+            metavar="[NAME=]DSN",
+            help="PostgreSQL DSN, postgresql://user:password@host:port/database; repeat it "
+            "for several databases, each optionally named (NAME=DSN; default host:port/"
+            "dbname) (env AIOOUTBOX_DSN, then DATABASE_URL; without one: the embedded server)",
+        )
+        group.add_argument(
+            "--dsn-file",
+            type=Path,
+            metavar="FILE",
+            help="databases to serve, one [NAME=]DSN per line, # comments "
+            "(env AIOOUTBOX_DSN_FILE; adds to --dsn)",
+        )
+    elif dsn:
         env = "AIOOUTBOX_DSN" if env_value("AIOOUTBOX_DSN") else "DATABASE_URL"
         group.add_argument(
             "--dsn",
@@ -63,6 +87,7 @@ def add_database_options(
             help="PostgreSQL DSN, postgresql://user:password@host:port/database "
             "(env AIOOUTBOX_DSN, then DATABASE_URL; without one: the embedded server)",
         )
+    if dsn:
         group.add_argument(
             "--pgbouncer",
             action="store_true",

@@ -8,7 +8,7 @@ from .._engine.options import ConsumerOptions
 from .._engine.watchdog import MvccReport
 from ..admin import STATUSES, DeadEvent, OutboxStats
 
-__all__ = ["age", "dead_table", "duration", "stats_view", "table"]
+__all__ = ["age", "databases_view", "dead_table", "duration", "stats_view", "table"]
 
 
 def age(seconds: float | None) -> str:
@@ -109,6 +109,39 @@ def stats_view(report: OutboxStats, *, hint: str = "") -> str:
     if report.mvcc is not None:
         parts += _mvcc_lines(report.mvcc)
     return "\n".join(parts)
+
+
+def databases_view(reports: Sequence[tuple[str, OutboxStats | str]], *, hint: str = "") -> str:
+    """``stats`` over several databases: one row per database (counts by status, its
+    lag), then the warnings of each; a database that could not be read shows dashes."""
+    rows: list[list[object]] = []
+    notes: list[str] = []
+    for name, report in reports:
+        if isinstance(report, str):
+            rows.append([name, *("-" for _ in STATUSES), "-"])  # why: on stderr
+            continue
+        totals = report.totals
+        rows.append([name, *(totals[s] for s in STATUSES), age(report.lag)])
+        if report.dead:
+            notes.append(f"{name}: {report.dead} dead (python -m aiooutbox dead list{hint})")
+        notes += [f"{name}: warning: {u.topic}: {u.waiting} event(s) waiting up to "
+                  f"{age(u.lag)} and no consumer seen handling the topic"
+                  for u in report.unconsumed]  # fmt: skip
+        notes += [f"{name}: blocked key {b.ordering_key!r}: head event {b.head_id} ({b.topic}) "
+                  f"{b.status}; {b.waiting} event(s) waiting behind it"
+                  for b in report.blocked_keys]  # fmt: skip
+    found = [r for _, r in reports if not isinstance(r, str)]
+    if found:
+        lags = [r.lag for r in found if r.lag is not None]
+        rows.append(
+            [
+                "(all databases)",
+                *(sum(r.totals[s] for r in found) for s in STATUSES),
+                age(max(lags) if lags else None),
+            ]
+        )
+    text = table(["DATABASE", *(s.upper() for s in STATUSES), "LAG"], rows)
+    return "\n".join([text, *(["", *notes] if notes else [])])
 
 
 def _mvcc_lines(mvcc: MvccReport) -> list[str]:

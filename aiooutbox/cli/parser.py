@@ -132,11 +132,12 @@ def build_parser(prog: str = "aiooutbox") -> argparse.ArgumentParser:
         f"""
         {prog} stats
         {prog} stats --json | jq .lag_seconds
+        {prog} stats --dsn-file tenants.txt     # one row per database, with its lag
         """,
     )
     sta.set_defaults(func=cmd_stats)
     sta.add_argument("--json", action="store_true", help="print JSON for scripts")
-    add_database_options(sta)
+    add_database_options(sta, many=True)
     add_logging_options(sta, "warning")
 
     dead = add_command(

@@ -15,17 +15,18 @@ import socket
 import sys
 import traceback
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import asyncpg
 
 from .. import admin
 from .._engine.options import ConsumerOptions
+from .._observability.databases_health import DatabasesHealth
 from .._values.text import describe_exception, exception_message
 from ..consumer import OutboxConsumer
 from ..errors import OutboxError
 from ..handlers import Handler, resolve_handlers
-from ..health import ConsumerHealth
+from ..health import ConsumerHealth, HealthStatus
 from ..observe import Observer
 from . import output
 from .args import redact
@@ -34,7 +35,7 @@ from .consumer_flags import build_options
 from .errors import CommandError, UsageError
 from .options import check_listen_options, check_metrics_options
 
-__all__ = ["Telemetry", "cmd_run", "load_handlers", "telemetry"]
+__all__ = ["Stoppable", "Telemetry", "cmd_run", "load_handlers", "telemetry"]
 
 logger = logging.getLogger("aiooutbox.cli")
 
@@ -116,6 +117,12 @@ async def load_handlers(spec: str) -> dict[str, Handler]:
         raise UsageError(f"{spec}: {exception_message(exc)}") from None
 
 
+class Stoppable(Protocol):
+    """What a signal stops: a consumer, or several (`relay` over many databases)."""
+
+    def stop(self) -> None: ...
+
+
 class _Signals:
     """SIGTERM/SIGINT: the first stops gracefully, the second fast, the third exits now.
 
@@ -124,7 +131,7 @@ class _Signals:
 
     def __init__(self) -> None:
         self.received = 0
-        self.consumer: OutboxConsumer | None = None
+        self.consumer: Stoppable | None = None
         self._task = asyncio.current_task()
         self._loop = asyncio.get_running_loop()
 
@@ -194,24 +201,46 @@ class Telemetry:
         self.observers: list[Observer] = [self.health]
         if metrics is not None:
             self.observers.append(metrics)
+        self._tracing: list[Observer] = []
         from ..tracing import TracingObserver
 
         try:
             # spans go wherever the SDK the handlers module configured sends them; with
             # the API alone (or no SDK configured) handlers run without one, at no cost
-            self.observers.append(TracingObserver())
+            self._tracing.append(TracingObserver())
         except ImportError:
             logger.debug("opentelemetry-api is not installed: handlers are not traced")
+        self.observers += self._tracing
+        self.databases: DatabasesHealth | None = None  # once several are served
+
+    def for_database(self, name: str) -> list[Observer]:
+        """The observers for the consumer of the database called ``name``, when one
+        process serves several: its own health, metrics labelled ``database=name``."""
+        if self.databases is None:
+            self.databases = DatabasesHealth()
+        observers: list[Observer] = [self.databases.add(name)]
+        if self.metrics is not None:
+            observers.append(self.metrics.database(name))
+        return observers + self._tracing
+
+    async def check(self) -> HealthStatus:
+        """``/healthz``: the consumer's health, or that of every database served."""
+        if self.databases is not None:
+            return await self.databases.check()
+        return await self.health.check()
 
     @contextlib.asynccontextmanager
     async def queue_gauges(
-        self, pool: asyncpg.Pool, args: argparse.Namespace
+        self, pool: asyncpg.Pool, args: argparse.Namespace, database: str | None = None
     ) -> AsyncIterator[None]:
-        """Refresh the table-level gauges while the block runs (with metrics only)."""
+        """Refresh the table-level gauges while the block runs (with metrics only);
+        ``database``: their label, when one process serves several."""
         if self.metrics is None:
             yield
             return
-        async with self.metrics.queue_gauges(pool, schema=args.schema, table=args.table):
+        async with self.metrics.queue_gauges(
+            pool, schema=args.schema, table=args.table, database=database
+        ):
             yield
 
 
@@ -232,7 +261,7 @@ async def telemetry(args: argparse.Namespace) -> AsyncIterator[Telemetry]:
     found = Telemetry(metrics)
     host = args.metrics_host or "127.0.0.1"
     where = f"--metrics-port {args.metrics_port}"
-    server = MetricsServer(metrics.registry, found.health, host=host, port=args.metrics_port)
+    server = MetricsServer(metrics.registry, found, host=host, port=args.metrics_port)
     try:
         await server.__aenter__()
     except socket.gaierror as exc:

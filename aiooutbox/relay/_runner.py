@@ -14,6 +14,7 @@ from .._values.text import describe_exception, exception_message
 from ..cli.args import DURATION, POSITIVE_INT, env_default, redact
 from ..cli.connect import apply_migrations, open_pool, resolve_dsn
 from ..cli.consumer_flags import add_consumer_options, build_options
+from ..cli.databases import Target, targets
 from ..cli.errors import CommandError, UsageError
 from ..cli.options import (
     add_command,
@@ -42,21 +43,26 @@ def add_relay_command(commands: Any, prog: str) -> None:
         "publish the outbox's events to a broker or webhook until SIGTERM or SIGINT",
         f"""
         {prog} relay --to nats://127.0.0.1:4222 --dsn postgresql://app@db/app
+        {prog} relay --to nats://n1:4222,nats://n2:4222 --dsn a=postgresql://db1/app --dsn b=postgresql://db2/app
+        {prog} relay --to kafka://k1:9092,k2:9092 --dsn-file tenants.txt --no-idempotence
         {prog} relay --to amqp://guest:guest@127.0.0.1:5672/ --exchange events
         {prog} relay --to kafka://127.0.0.1:9092 --destination 'outbox.{{topic}}'
         {prog} relay --to redis://127.0.0.1:6379/0 --topics orders.created,orders.paid
         AIOOUTBOX_WEBHOOK_SECRET=whsec_... {prog} relay --to 'https://hooks.example.com/{{topic}}'
         """,
         """
-        The URL scheme picks the sink: nats:// (JetStream; the streams must exist),
-        amqp(s):// (publisher confirms; without --exchange, the default exchange routes
-        to the queue named by the destination), kafka://host:port[,host:port],
-        redis(s)://host:port/db (streams) or http(s):// (Standard Webhooks signing with
-        $AIOOUTBOX_WEBHOOK_SECRET). Without --topics it relays every topic of the
-        outbox. A row is done only once the broker confirmed it. An unreachable broker
-        at start exits 1; lost later, publishes wait up to --reconnect-wait for it (no
-        attempt spent), then fail and are retried with the retry policy.
-        Signals and exit status as for run.
+        The URL scheme picks the sink: nats://host:port[,host:port] (JetStream; the
+        streams must exist), amqp(s):// (publisher confirms; without --exchange, the
+        default exchange routes to the queue named by the destination),
+        kafka://host:port[,host:port], redis(s)://host:port/db (streams) or http(s)://
+        (Standard Webhooks signing with $AIOOUTBOX_WEBHOOK_SECRET). Without --topics it
+        relays every topic of the outbox. A row is done only once the broker confirmed
+        it. An unreachable broker at start exits 1; lost later, publishes wait up to
+        --reconnect-wait for it (no attempt spent), then fail and are retried with the
+        retry policy. With several databases (--dsn repeated, --dsn-file) each has its
+        own consumer and --concurrency, all publishing through one sink; every database
+        must answer at start (else exit 1, nothing relayed), and one lost later stops
+        only its own events until it is back. Signals and exit status as for run.
         """,
     )
     relay.set_defaults(func=cmd_relay)
@@ -107,7 +113,7 @@ def add_relay_command(commands: Any, prog: str) -> None:
     add_consumer_options(relay, topics_help="default: every topic in the outbox")
     add_listen_options(relay)
     add_metrics_options(relay)
-    add_database_options(relay)
+    add_database_options(relay, many=True)
     add_logging_options(relay, "info")
 
 
@@ -144,22 +150,37 @@ def _sink(args: argparse.Namespace) -> Any:
 
 
 async def cmd_relay(args: argparse.Namespace) -> int:
+    found = targets(args)  # every DSN checked, duplicates refused, before anything
     sink = _sink(args)
     args.consumer_options = build_options(args)  # checked once, errors name the flag
     args.retry = args.consumer_options.retry
     check_listen_options(args)
     check_metrics_options(args)
+    if len(found) > 1 and args.listen_dsn is not None:
+        raise UsageError(
+            "--listen-dsn names one database's server; with several databases each "
+            "consumer listens on its own --dsn (or pass --no-listen to poll)"
+        )
+    args.dsn = found[0].dsn if len(found) == 1 else None
     with _Signals() as signals:
         try:
-            return await _serve(args, sink, signals)
+            return await _serve(args, sink, signals, found)
         except asyncio.CancelledError:
             if not signals.received:
                 raise
             return 0
 
 
-async def _serve(args: argparse.Namespace, sink: Any, signals: _Signals) -> int:
+async def _serve(
+    args: argparse.Namespace, sink: Any, signals: _Signals, found: list[Target]
+) -> int:
     async with telemetry(args) as observed:  # --metrics-port: /metrics and /healthz
+        if len(found) > 1:
+            from ._fleet import relay_many
+
+            topics = args.topics or None
+            handlers = dict.fromkeys(topics, sink) if topics else {ALL_TOPICS: sink}
+            return await relay_many(args, sink, signals, observed, handlers, found)
         return await _relay(args, sink, signals, observed)
 
 

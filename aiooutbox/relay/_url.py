@@ -1,7 +1,16 @@
-"""`sink_for_url`: the URL scheme picks the sink, as ``relay --to URL`` does."""
+"""`sink_for_url`: the URL scheme picks the sink, as ``relay --to URL`` does.
+
+NATS and Kafka take several hosts, for a cluster whose first listed node may be down:
+``nats://a:4222,nats://b:4222`` (or ``nats://a:4222,b:4222``) becomes one server URL
+per host, each with the first URL's credentials when it has none of its own; and
+``kafka://a:9092,b:9092`` (or ``kafka://a:9092,kafka://b:9092``) the bootstrap list.
+`split_hosts` is that parsing; a host that is not ``host:port`` is refused here, in one
+line, before anything connects.
+"""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -13,7 +22,7 @@ from ._redis import RedisSink
 from ._sink import Sink
 from ._webhook import WebhookSink
 
-__all__ = ["SCHEMES", "sink_for_url"]
+__all__ = ["SCHEMES", "sink_for_url", "split_hosts"]
 
 SCHEMES = ("nats", "tls", "amqp", "amqps", "kafka", "redis", "rediss", "http", "https")
 
@@ -47,12 +56,74 @@ def sink_for_url(
     if secret is not None:
         raise InvalidArgument("a secret applies only to http(s):// webhooks")
     if scheme in ("nats", "tls"):
-        return NatsSink(url, destination=destination, **options)
+        return NatsSink(split_hosts(url), destination=destination, **options)
+    if scheme == "kafka":
+        servers = [u[len("kafka://") :] for u in split_hosts(url)]
+        if any("@" in h or "/" in h for h in servers):
+            raise InvalidArgument(
+                f"{_shown(url)!r}: a kafka:// URL is host:port[,host:port] only (no "
+                "credentials or path; pass them in producer_options)"
+            )
+        return KafkaSink(servers, destination=destination, **options)
+    if "," in _netloc(url).rpartition("@")[2]:
+        raise InvalidArgument(
+            f"{scheme}:// takes one host, not {_shown(url)!r}; several hosts are for "
+            "nats:// and kafka://"
+        )
     if scheme in ("amqp", "amqps"):
         return RabbitMQSink(url, exchange=exchange or "", destination=destination, **options)
-    if scheme == "kafka":
-        servers = url[len("kafka://") :].strip("/")
-        if not servers:
-            raise InvalidArgument("kafka:// needs host:port, e.g. kafka://127.0.0.1:9092")
-        return KafkaSink(servers.split(","), destination=destination, **options)
     return RedisSink(url, destination=destination, **options)
+
+
+def _netloc(url: str) -> str:
+    return url.partition("://")[2].partition("/")[0]
+
+
+def _shown(url: str) -> str:
+    """``url`` without its credentials, for an error message."""
+    scheme, _, rest = url.partition("://")
+    netloc, slash, path = rest.partition("/")
+    return f"{scheme}://{re.sub(r'[^,@]*@', '', netloc)}{slash}{path}"
+
+
+def split_hosts(url: str) -> list[str]:
+    """``scheme://[user:pw@]a:1,[scheme://]b:2[/path]`` as one URL per host.
+
+    Each URL keeps the scheme, the path and query, and (when it names none of its own)
+    the first host's credentials. Every host must be ``host:port`` (an IPv6 address in
+    brackets); anything else raises `InvalidArgument` naming it.
+    """
+    scheme, _, rest = url.partition("://")
+    for other in re.findall(r",\s*([A-Za-z][A-Za-z0-9+.-]*)://", rest):
+        if other.lower() != scheme.lower():
+            raise InvalidArgument(
+                f"{_shown(url)!r} mixes {other}:// into a {scheme}:// list of hosts"
+            )
+    # the scheme may be repeated before each host: drop those, keep the first
+    rest = re.sub(rf",\s*{re.escape(scheme)}://", ",", rest, flags=re.IGNORECASE)
+    netloc, slash, tail = rest.partition("/")
+    tail = slash + tail if tail.strip("/") else ""
+    parts = [p.strip() for p in netloc.split(",")]
+    credentials = ""
+    urls: list[str] = []
+    for i, part in enumerate(parts):
+        user, at, host = part.rpartition("@")
+        if i == 0 and at:
+            credentials = user + "@"
+        _check_host(host, url, i + 1, scheme)
+        urls.append(f"{scheme}://{(user + '@') if at else credentials}{host}{tail}")
+    return urls
+
+
+def _check_host(host: str, url: str, n: int, scheme: str) -> None:
+    example = "kafka://127.0.0.1:9092" if scheme == "kafka" else "nats://127.0.0.1:4222"
+    where = f"host {n} of {_shown(url)!r}" if "," in url else repr(_shown(url))
+    if not host:
+        raise InvalidArgument(f"{where} is empty: expected host:port, e.g. {example}")
+    try:
+        parsed = urlsplit(f"//{host}")
+        port = parsed.port
+    except ValueError as exc:
+        raise InvalidArgument(f"{where}: {host!r} is not host:port ({exc})") from None
+    if not parsed.hostname or (scheme == "kafka" and port is None):
+        raise InvalidArgument(f"{where}: {host!r} is not host:port, e.g. {example}")

@@ -73,6 +73,57 @@ class PrivateNats:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+class NatsCluster:
+    """Three ``nats-server -js`` processes routed into one JetStream cluster, each on free
+    client and route ports with its own store; `kill` SIGKILLs one by server name."""
+
+    def __init__(self, size: int = 3) -> None:
+        self.name = f"relay{free_port()}"
+        self.ports = [free_port() for _ in range(size)]
+        self.routes = [free_port() for _ in range(size)]
+        self.names = [f"n{i + 1}" for i in range(size)]
+        self.dir = Path(tempfile.mkdtemp(prefix="relay-nats-cluster-"))
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    @property
+    def url(self) -> str:
+        """Every server, as one multi-host URL: ``nats://a:1,nats://b:2,...``."""
+        return ",".join(f"nats://127.0.0.1:{p}" for p in self.ports)
+
+    def start(self) -> None:
+        routes = ",".join(f"nats://127.0.0.1:{p}" for p in self.routes)
+        for name, port, route in zip(self.names, self.ports, self.routes, strict=True):
+            self.procs[name] = subprocess.Popen(
+                [
+                    "nats-server", "-js", "-a", "127.0.0.1", "-p", str(port),
+                    "-n", name, "-sd", str(self.dir / name),
+                    "--cluster_name", self.name,
+                    "--cluster", f"nats://127.0.0.1:{route}", "--routes", routes,
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+        for name, port in zip(self.names, self.ports, strict=True):
+            wait_port(port, 20, self.procs[name])
+
+    def kill(self, name: str) -> None:
+        proc = self.procs[name]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+
+    def destroy(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 class PrivateRedis:
     def __init__(self) -> None:
         self.port = free_port()

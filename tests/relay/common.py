@@ -88,9 +88,11 @@ async def relaying(
 class RelayProcess:
     """``python -m aiooutbox relay`` as a child process, as an operator runs it."""
 
-    def __init__(self, dsn: str, to: str, *args: str) -> None:
+    def __init__(self, dsn: str | Sequence[str], to: str, *args: str) -> None:
+        """``dsn``: one, or several (each passed as ``--dsn``; none with ``--dsn-file``)."""
         self._stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in close()
         env = {k: v for k, v in os.environ.items() if not k.startswith("AIOOUTBOX_")}
+        dsns = [dsn] if isinstance(dsn, str) else list(dsn)
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -99,8 +101,7 @@ class RelayProcess:
                 "relay",
                 "--to",
                 to,
-                "--dsn",
-                dsn,
+                *(flag for d in dsns for flag in ("--dsn", d)),
                 "--retention",
                 "none",
                 "--lease-timeout",
@@ -120,9 +121,11 @@ class RelayProcess:
         self.proc.wait(10)
         self._stderr.close()
 
-    def stderr(self) -> str:
+    def stderr(self, tail: int | None = 4000) -> str:
+        """What the relay logged: the last ``tail`` characters (``None``: all)."""
         self._stderr.seek(0)
-        return self._stderr.read()[-4000:]
+        text: str = self._stderr.read()
+        return text if tail is None else text[-tail:]
 
     async def stop(self) -> int:
         if self.proc.poll() is None:
