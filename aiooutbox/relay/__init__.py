@@ -17,7 +17,7 @@ See docs/relay.md.
 
 from __future__ import annotations
 
-from ._amqp import RabbitMQSink, Unroutable
+from ._amqp import Nacked, RabbitMQSink, Unroutable
 from ._kafka import KafkaSink
 from ._nats import NatsSink, NoStreamForSubject
 from ._redis import RedisSink
@@ -28,6 +28,7 @@ from ._webhook import WebhookError, WebhookSink, sign
 __all__ = [
     "BrokerUnavailable",
     "KafkaSink",
+    "Nacked",
     "Message",
     "NatsSink",
     "NoStreamForSubject",
