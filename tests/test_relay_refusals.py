@@ -14,6 +14,7 @@ import asyncio
 import base64
 import json
 import logging
+import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, cast
@@ -32,6 +33,7 @@ from tests.relay.brokers import (
     AMQP_URL,
     NATS_URL,
     REDIS_URL,
+    PrivateNats,
     PrivateRabbit,
     PrivateRedis,
     Tansu,
@@ -198,6 +200,45 @@ async def test_nats_sink_connects_again_after_the_server_closed_its_connection(
         await js.delete_stream(stream)
 
 
+@pytest.mark.slow
+async def test_nats_publish_permission_violation_is_no_outage(pool: asyncpg.Pool) -> None:
+    """A subject the user may not publish to: the server drops the message and says so
+    (-ERR 'Permissions Violation'); no PubAck will ever come. The event is retried with
+    the policy at once (a grant can fix it), not held for ``reconnect_wait`` as if the
+    server were away, and the events beside it are published."""
+    config = """
+    authorization {
+      users = [{user: relay, password: secret, permissions: {publish: {deny: ["denied.>"]}}}]
+    }
+    """
+    broker = PrivateNats(config)
+    broker.start()
+    url = f"nats://relay:secret@127.0.0.1:{broker.port}"
+    try:
+        client = await nats.connect(url)
+        await nats_stream(client.jetstream(), "PERMS", ["denied.>", "allowed.>"], "memory")
+        await client.close()
+        denied = await enqueue(pool, "denied.orders")
+        allowed = [await enqueue(pool, f"allowed.orders.{n}") for n in range(5)]
+        began = time.monotonic()
+        async with relaying(pool, NatsSink(url), retry=RETRY_LATER):
+            while True:
+                row = await pool.fetchrow(
+                    "SELECT status::text, attempts, last_error FROM outbox_events WHERE id = $1",
+                    denied,
+                )
+                if row["status"] == "retry" or time.monotonic() - began > SETTLE_WITHIN:
+                    break
+                await asyncio.sleep(0.1)
+            rows = await settled(pool, allowed, SETTLE_WITHIN)
+        print(f"the denied event failed after {time.monotonic() - began:.2f}s")
+        assert (row["status"], row["attempts"]) == ("retry", 1), dict(row)
+        assert "Permissions Violation" in row["last_error"], row["last_error"]
+        assert {(r["status"], r["attempts"]) for r in rows.values()} == {("done", 1)}
+    finally:
+        broker.destroy()
+
+
 def test_nats_destination_templates_checked_at_construction() -> None:
     with pytest.raises(aiooutbox.InvalidArgument, match="empty token"):
         NatsSink(NATS_URL, destination="outbox..{topic}")
@@ -281,6 +322,41 @@ async def test_rabbitmq_message_over_max_message_size_dead_at_once(pool: asyncpg
         reason = "larger than configured max size 4096"
         assert_refused(rows, {big: reason, second: reason})
         assert {(rows[i]["status"], rows[i]["attempts"]) for i in small} == {("done", 1)}
+    finally:
+        broker.destroy()
+
+
+@pytest.mark.slow
+async def test_rabbitmq_access_refused_is_no_outage(pool: asyncpg.Pool) -> None:
+    """ACCESS_REFUSED closes the channel as an outage would, but it is the user's
+    permissions: the event is retried with the policy at once, not held for
+    ``reconnect_wait`` while the sink republishes it on channel after channel."""
+    import aio_pika
+
+    broker = PrivateRabbit()
+    broker.start()
+    try:
+        # guest may write (publish) only to exchanges whose name starts with "allowed"
+        permissions = ["set_permissions", "-p", "/", "guest", ".*", "^allowed.*", ".*"]
+        subprocess.run(["rabbitmqctl", "-n", broker.name, *permissions], check=True, timeout=60)
+        async with await aio_pika.connect(broker.url) as connection:
+            channel = await connection.channel()
+            await channel.declare_exchange("denied", aio_pika.ExchangeType.FANOUT)
+        event_id = await enqueue(pool, "orders")
+        began = time.monotonic()
+        sink = RabbitMQSink(broker.url, exchange="denied")
+        async with relaying(pool, sink, retry=RETRY_LATER):
+            while True:
+                row = await pool.fetchrow(
+                    "SELECT status::text, attempts, last_error FROM outbox_events WHERE id = $1",
+                    event_id,
+                )
+                if row["status"] == "retry" or time.monotonic() - began > SETTLE_WITHIN:
+                    break
+                await asyncio.sleep(0.1)
+        print(f"the refused event failed after {time.monotonic() - began:.2f}s")
+        assert (row["status"], row["attempts"]) == ("retry", 1), dict(row)
+        assert "ACCESS_REFUSED" in row["last_error"], row["last_error"]
     finally:
         broker.destroy()
 

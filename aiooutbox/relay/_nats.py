@@ -41,6 +41,8 @@ MAX_SUBJECT_BYTES = 4000
 #: a header name NATS carries: an HTTP token (nats-py refuses others)
 _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _NEWLINES = str.maketrans({"\r": " ", "\n": " "})
+#: the server's error for a publish the user may not make (lower-cased by nats-py)
+_DENIED = re.compile(r'permissions violation for publish to "(.*)"')
 #: "NATS/1.0\r\n" before the headers and "\r\n" after them
 _HEADER_FRAME = 12
 
@@ -79,6 +81,11 @@ class NoStreamForSubject(Exception):
     The event is ``dead`` at once with this reason (redrive it once a stream captures
     the subject); streams are the operator's to create, so a sink never creates one.
     """
+
+
+class PublishDenied(Exception):
+    """The server refused the publish: the user may not publish to the subject. Retried
+    with the consumer's backoff (not held as an outage): a grant fixes it."""
 
 
 class NotAPubAck(Exception):
@@ -131,8 +138,8 @@ class NatsSink(Sink):
         self._js: Any = None
         self._inbox = ""
         self._tokens = itertools.count()
-        #: token -> (future of the PubAck message, monotonic deadline)
-        self._acks: dict[str, tuple[asyncio.Future[Any], float]] = {}
+        #: token -> (future of the PubAck message, monotonic deadline, subject)
+        self._acks: dict[str, tuple[asyncio.Future[Any], float, str]] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self._reopening = asyncio.Lock()
         #: header names checked to be tokens (the outbox-* ones and the events' own)
@@ -165,16 +172,13 @@ class NatsSink(Sink):
         return ",".join(self.servers)
 
     async def _open(self) -> None:
-        async def quiet(exc: Exception) -> None:  # nats-py logs every error otherwise
-            logger.debug("nats: %s: %s", type(exc).__name__, exc)
-
         options: dict[str, Any] = {
             "servers": self.servers,
             "connect_timeout": max(1, int(self.connect_timeout)),
             "max_reconnect_attempts": -1,
             "reconnect_time_wait": 0.5,
             "allow_reconnect": True,
-            "error_cb": quiet,
+            "error_cb": self._on_error,
         }
         options.update(self._options)
         # nats-py retries the first connect too when reconnects are allowed; refuse at once
@@ -195,10 +199,29 @@ class NatsSink(Sink):
                 await self._nc.close()
         finally:
             closed = self._nats.errors.ConnectionClosedError
-            for future, _ in list(self._acks.values()):
+            for future, _, _ in list(self._acks.values()):
                 if not future.done():
                     future.set_exception(closed())
             self._acks.clear()
+
+    async def _on_error(self, exc: Exception) -> None:
+        """nats-py's error callback (it would log every error otherwise). A publish the
+        user may not make is dropped by the server with an error, not answered: fail its
+        PubAck at once rather than leave it to time out as if the server were away."""
+        logger.debug("nats: %s: %s", type(exc).__name__, exc)
+        denied = _DENIED.search(str(exc))
+        if denied is None:
+            return
+        subject = denied[1]  # nats-py lowers the error's case, the subject's too
+        for token, (future, _, sent_to) in list(self._acks.items()):
+            if sent_to.lower() == subject and not future.done():
+                del self._acks[token]
+                future.set_exception(
+                    PublishDenied(
+                        f"Permissions Violation: the server does not let this user publish "
+                        f"to {sent_to!r} (grant it and the retry publishes)"
+                    )
+                )
 
     async def _reopen(self, closed: Any) -> None:
         """Connect again: nats-py closes a connection for good when the server answers a
@@ -231,9 +254,9 @@ class NatsSink(Sink):
         while True:
             await asyncio.sleep(self.publish_timeout / 8)
             now = time.monotonic()
-            late = [t for t, (_, deadline) in self._acks.items() if deadline <= now]
+            late = [t for t, (_, deadline, _) in self._acks.items() if deadline <= now]
             for token in late:
-                future, _ = self._acks.pop(token)
+                future, _, _ = self._acks.pop(token)
                 if not future.done():
                     future.set_exception(timeout())
 
@@ -297,7 +320,8 @@ class NatsSink(Sink):
         headers["Nats-Msg-Id"] = message.message_id
         token = str(next(self._tokens))
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._acks[token] = (future, time.monotonic() + self.publish_timeout)
+        deadline = time.monotonic() + self.publish_timeout
+        self._acks[token] = (future, deadline, message.destination)
         try:
             await self._nc.publish(
                 message.destination, message.body, reply=self._inbox + token, headers=headers
