@@ -200,6 +200,16 @@ async def test_nats_sink_connects_again_after_the_server_closed_its_connection(
         await js.delete_stream(stream)
 
 
+async def test_relay_command_refuses_a_destination_the_broker_cannot_take(dsn: str) -> None:
+    result = await cli("relay", "--to", NATS_URL, "--destination", "outbox.>.{topic}", "--dsn", dsn)
+    assert result.rc == 2, result.err
+    assert result.err_lines == [
+        "python -m aiooutbox: error: --to/--destination: destination 'outbox.>.{topic}' "
+        "cannot work with nats: a '*' or '>' token is a wildcard to NATS, and a message "
+        "cannot be published to a wildcard subject"
+    ], result.err
+
+
 @pytest.mark.slow
 async def test_nats_publish_permission_violation_is_no_outage(pool: asyncpg.Pool) -> None:
     """A subject the user may not publish to: the server drops the message and says so

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from ._amqp import Nacked, RabbitMQSink, Unroutable
 from ._kafka import KafkaSink
-from ._nats import NatsSink, NoStreamForSubject
+from ._nats import NatsSink, NoStreamForSubject, PublishDenied
 from ._redis import RedisSink
 from ._sink import BrokerUnavailable, Message, Sink, SinkClosed
 from ._url import sink_for_url
@@ -28,10 +28,11 @@ from ._webhook import WebhookError, WebhookSink, sign
 __all__ = [
     "BrokerUnavailable",
     "KafkaSink",
-    "Nacked",
     "Message",
+    "Nacked",
     "NatsSink",
     "NoStreamForSubject",
+    "PublishDenied",
     "RabbitMQSink",
     "RedisSink",
     "Sink",

@@ -29,7 +29,7 @@ class Unroutable(Exception):
     """The broker returned the message: no queue is bound for its routing key.
 
     The event goes to ``dead`` at once, with the broker's reply (``312 NO_ROUTE``);
-    redrive it once a queue is bound.
+    requeue it (``dead retry``) once a queue is bound.
     """
 
 

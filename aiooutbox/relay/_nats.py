@@ -78,8 +78,9 @@ def subject_problem(subject: str) -> str | None:
 class NoStreamForSubject(Exception):
     """No JetStream stream captures the subject: the message was not stored.
 
-    The event is ``dead`` at once with this reason (redrive it once a stream captures
-    the subject); streams are the operator's to create, so a sink never creates one.
+    The event is ``dead`` at once with this reason (requeue it with ``dead retry`` once a
+    stream captures the subject); streams are the operator's to create, so a sink never
+    creates one.
     """
 
 
@@ -272,7 +273,8 @@ class NatsSink(Sink):
         size = _HEADER_FRAME + len("Nats-Msg-Id") + len(message.message_id) + 4
         for name, value in headers.items():
             if name not in names:
-                if not _HEADER_NAME.fullmatch(name.strip()):
+                stripped = name.strip()
+                if stripped and not _HEADER_NAME.fullmatch(stripped):  # nats-py skips ""
                     return (
                         f"the header name {name!r} is not an HTTP token "
                         "(letters, digits and !#$%&'*+-.^_`|~): NATS cannot carry it"
