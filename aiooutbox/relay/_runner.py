@@ -58,7 +58,9 @@ def add_relay_command(commands: Any, prog: str) -> None:
         $AIOOUTBOX_WEBHOOK_SECRET). Without --topics it relays every topic of the
         outbox. A row is done only once the broker confirmed it. An unreachable broker
         at start exits 1; lost later, publishes wait up to --reconnect-wait for it (no
-        attempt spent), then fail and are retried with the retry policy.
+        attempt spent), then fail and are retried with the retry policy. An event the
+        broker refuses for good (a name it cannot take, over its size limit, no stream
+        or queue for it) is dead at once with the broker's reason.
         Signals and exit status as for run.
         """,
     )
