@@ -23,6 +23,7 @@ import asyncpg
 import nats
 import pytest
 import redis.asyncio as aioredis
+import redis.exceptions
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
@@ -466,6 +467,38 @@ async def test_redis_value_over_proto_max_bulk_len_dead_at_once(pool: asyncpg.Po
         assert_refused(rows, {refused: "proto-max-bulk-len"})
         assert {(rows[i]["status"], rows[i]["attempts"]) for i in later} == {("done", 1)}
         assert await client.xlen("refuse") == 5
+    finally:
+        await client.aclose()
+        broker.destroy()
+
+
+@pytest.mark.slow
+async def test_redis_out_of_memory_is_held_as_an_outage(pool: asyncpg.Pool) -> None:
+    """A server over its ``maxmemory`` answers OOM to every write until memory frees:
+    the events wait (no attempt spent), as for a lost connection, and are published
+    once it has room, every one on its first attempt."""
+    broker = PrivateRedis()
+    broker.start()
+    client = aioredis.Redis.from_url(broker.url)
+    try:
+        await client.set("ballast", "x" * (4 * MIB))
+        await client.config_set("maxmemory-policy", "noeviction")
+        await client.config_set("maxmemory", MIB)  # now over it: every write is refused
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            await client.xadd("probe", {"a": "b"})
+        ids = [await enqueue(pool, "full", {"n": n}) for n in range(5)]
+        sink = RedisSink(broker.url, reconnect_wait=60)
+        async with relaying(pool, sink, retry=RETRY_LATER):
+            await asyncio.sleep(3)
+            held = await pool.fetch(
+                "SELECT status::text, attempts FROM outbox_events WHERE id = ANY($1)", ids
+            )
+            await client.config_set("maxmemory", 0)  # room again
+            rows = await settled(pool, ids, SETTLE_WITHIN)
+        assert {(r["status"], r["attempts"]) for r in held} == {("processing", 1)}, held
+        assert {(r["status"], r["attempts"]) for r in rows.values()} == {("done", 1)}
+        assert await client.xlen("full") == 5
+        assert sink.republished > 0
     finally:
         await client.aclose()
         broker.destroy()
