@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -86,3 +87,48 @@ async def test_relay_doc_snippets_run(dsn: str, tmp_path: Path) -> None:
         out, err = await asyncio.wait_for(proc.communicate(), 60)
         assert proc.returncode == 0, err.decode()
         assert b"stored: 1" in out
+
+
+async def test_relay_doc_tansu_commands_relay_to_kafka(dsn: str) -> None:
+    """docs/relay.md's commands, as written (another port, no pip install): Tansu
+    starts, and the relay they start publishes an event to it."""
+    from tests.relay.brokers import free_port
+    from tests.relay.common import kafka_read
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "relay.md").read_text()
+    (block,) = [b for b in re.findall(r"```sh\n(.*?)```", doc, flags=re.S) if "tansu" in b]
+    port = free_port()
+    script = "\n".join(
+        line for line in block.replace("9092", str(port)).splitlines() if "pip install" not in line
+    )
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(
+            "INSERT INTO outbox_events (topic, payload) VALUES ('docs.kafka', '{\"n\": 1}')"
+        )
+    finally:
+        await conn.close()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIOOUTBOX_")}
+    proc = await asyncio.create_subprocess_exec(
+        "bash",
+        "-c",
+        script,
+        env={**env, "AIOOUTBOX_DSN": dsn},
+        cwd=Path(__file__).resolve().parent.parent,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,  # the broker in the background and the relay: one group
+    )
+    try:
+        for _ in range(600):
+            if await done(dsn) == 1 or proc.returncode is not None:
+                break
+            await asyncio.sleep(0.1)
+        assert await done(dsn) == 1, "the relay did not publish the event"
+        (message,) = await kafka_read(f"127.0.0.1:{port}", "docs.kafka", 1)
+        assert json.loads(message.value) == {"n": 1}
+    finally:
+        if proc.returncode is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert "error" not in err.decode().lower(), err.decode()

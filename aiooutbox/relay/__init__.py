@@ -17,9 +17,9 @@ See docs/relay.md.
 
 from __future__ import annotations
 
-from ._amqp import RabbitMQSink, Unroutable
+from ._amqp import Nacked, RabbitMQSink, Unroutable
 from ._kafka import KafkaSink
-from ._nats import NatsSink, NoStreamForSubject
+from ._nats import NatsSink, NoStreamForSubject, PublishDenied
 from ._redis import RedisSink
 from ._sink import BrokerUnavailable, Message, Sink, SinkClosed
 from ._url import sink_for_url
@@ -29,8 +29,10 @@ __all__ = [
     "BrokerUnavailable",
     "KafkaSink",
     "Message",
+    "Nacked",
     "NatsSink",
     "NoStreamForSubject",
+    "PublishDenied",
     "RabbitMQSink",
     "RedisSink",
     "Sink",

@@ -2,14 +2,15 @@
 
 Each message is persistent (delivery mode 2) with ``message_id`` = the event's
 ``message_id``, published ``mandatory`` on a confirming channel: the call returns only
-once the broker acked it, and a message no queue is bound for comes back as a failure
-(`Unroutable`, retried then ``dead``) instead of being dropped. RabbitMQ does not
-dedupe, so a repeat after a crash or a lost connection is delivered twice: downstream
-consumers dedupe on ``message_id``.
+once the broker acked it, and a message no queue is bound for comes back and sends its
+event to ``dead`` at once (`Unroutable` as the cause) instead of being dropped.
+RabbitMQ does not dedupe, so a repeat after a crash or a lost connection is delivered
+twice: downstream consumers dedupe on ``message_id``.
 """
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -17,11 +18,25 @@ from urllib.parse import urlsplit, urlunsplit
 from .._values.text import exception_message
 from ._sink import Message, Sink, require
 
-__all__ = ["RabbitMQSink", "Unroutable"]
+__all__ = ["Nacked", "RabbitMQSink", "Unroutable"]
+
+#: AMQP's short strings (routing keys, the ``type`` property) hold at most 255 bytes
+MAX_SHORT_STRING = 255
+#: what RabbitMQ says when it closes the channel for a message over max_message_size
+_TOO_LARGE = re.compile(r"message size (\d+) is larger than configured max size (\d+)")
 
 
 class Unroutable(Exception):
-    """The broker returned the message: no queue is bound for its routing key."""
+    """The broker returned the message: no queue is bound for its routing key.
+
+    The event goes to ``dead`` at once, with the broker's reply (``312 NO_ROUTE``);
+    requeue it (``dead retry``) once a queue is bound.
+    """
+
+
+class Nacked(Exception):
+    """The broker refused the message with a nack (a full queue that rejects publishes,
+    an internal error): retried with the consumer's backoff."""
 
 
 class RabbitMQSink(Sink):
@@ -31,6 +46,12 @@ class RabbitMQSink(Sink):
     a named exchange must exist (it is checked at start, never declared). The
     connection is aio-pika's robust one: it reconnects on its own, and publishes wait
     for it (``reconnect_wait``).
+
+    Refused at once (`Dead`): a routing key over AMQP's 255 bytes, a message no queue is
+    bound for, and one over the broker's ``max_message_size`` (RabbitMQ closes the
+    channel for it; the sink then refuses larger messages without publishing them). A
+    routing key is literal when published (``*`` and ``#`` are wildcards only in
+    bindings), so any topic may be one.
     """
 
     name = "rabbitmq"
@@ -74,6 +95,10 @@ class RabbitMQSink(Sink):
         )
         self._returned = errors.PublishError
         self._nacked = errors.DeliveryError
+        self._precondition = errors.ChannelPreconditionFailed
+        self._access_refused = errors.ChannelAccessRefused
+        #: the broker's max_message_size, once a refusal told it
+        self.max_message_size: int | None = None
 
     def describe(self) -> str:
         parts = urlsplit(self.url)
@@ -97,8 +122,36 @@ class RabbitMQSink(Sink):
         if self._connection is not None:
             await self._connection.close()
 
+    def _destination_problem(self, destination: str) -> str | None:
+        size = len(destination.encode())
+        if size > MAX_SHORT_STRING:
+            return f"the routing key is {size} bytes; AMQP allows {MAX_SHORT_STRING} bytes at most"
+        return None
+
+    def _message_problem(self, message: Message) -> str | None:
+        limit = self.max_message_size
+        if limit is not None and len(message.body) > limit:
+            return (
+                f"message size {len(message.body)} is larger than configured max size "
+                f"{limit} (the broker's max_message_size, from its refusal of an earlier one)"
+            )
+        return None
+
+    def _refusal(self, exc: BaseException, message: Message) -> str | None:
+        if isinstance(exc, Unroutable):
+            return str(exc)
+        if isinstance(exc, self._precondition):
+            # the broker closed the channel; every publish in flight on it fails with
+            # this, but only the one over the limit is refused: the others go again
+            found = _TOO_LARGE.search(str(exc))
+            if found is not None and len(message.body) > int(found[2]):
+                self.max_message_size = int(found[2])
+                return str(exc)
+        return None
+
     async def _send(self, message: Message) -> None:
         event = message.event
+        topic = event.topic
         amqp = self._pika.Message(
             message.body,
             headers=message.headers,
@@ -106,7 +159,8 @@ class RabbitMQSink(Sink):
             delivery_mode=self._pika.DeliveryMode.PERSISTENT,
             message_id=message.message_id,
             timestamp=event.created_at,
-            type=event.topic,
+            # a short string: a longer topic travels only in the outbox-topic header
+            type=topic if len(topic) < 64 or len(topic.encode()) <= MAX_SHORT_STRING else None,
         )
         try:
             await self._exchange.publish(
@@ -115,14 +169,19 @@ class RabbitMQSink(Sink):
                 mandatory=True,
                 timeout=self.publish_timeout,
             )
-        except self._returned:
+        except self._returned as exc:
+            delivery = getattr(getattr(exc, "message", None), "delivery", None)
+            code = getattr(delivery, "reply_code", 312)
+            text = getattr(delivery, "reply_text", "NO_ROUTE")
             raise Unroutable(
-                f"no queue is bound for routing key {message.destination!r} on "
-                f"exchange {self.exchange_name or '(default)'!r}"
+                f"returned by the broker ({code} {text}): no queue is bound for routing key "
+                f"{message.destination!r} on exchange {self.exchange_name or '(default)'!r}"
             ) from None
         except self._nacked as exc:
             reason = exception_message(exc)
-            raise Unroutable(f"the broker refused the message (nack): {reason}") from None
+            raise Nacked(f"the broker refused the message (nack): {reason}") from None
 
     def _is_outage(self, exc: BaseException) -> bool:
-        return isinstance(exc, self._outages)
+        # ACCESS_REFUSED closes the channel too, but it is no outage: the user may not
+        # publish there (a permission the operator grants), so the event is retried
+        return isinstance(exc, self._outages) and not isinstance(exc, self._access_refused)

@@ -12,16 +12,49 @@ from the producer's own retries within one session.
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 from ..events import Event
-from ._sink import Message, Sink, require
+from ._sink import BrokerUnavailable, Message, Sink, require
 
-__all__ = ["KafkaSink"]
+__all__ = ["KafkaSink", "topic_problem"]
 
 KeyFunc = Callable[[Event], "str | None"]
+
+#: Kafka's topic names: 1-249 of these characters, and not "." or ".."
+_TOPIC = re.compile(r"[a-zA-Z0-9._-]{1,249}")
+#: errors the broker (or the client, before sending) answers for this record whatever
+#: the retries: too large, an invalid topic, a message format the topic cannot hold
+_REFUSED = (
+    "MessageSizeTooLargeError",
+    "RecordListTooLargeError",
+    "InvalidTopicError",
+    "UnsupportedForMessageFormatError",
+)
+#: INVALID_RECORD (e.g. no key for a compacted topic); aiokafka has no class for it
+_INVALID_RECORD = 87
+
+
+def topic_problem(topic: str) -> str | None:
+    """Why Kafka cannot have a topic named ``topic`` (None: it can)."""
+    if _TOPIC.fullmatch(topic) and topic not in (".", ".."):
+        return None
+    return (
+        "not a valid Kafka topic name: Kafka allows 1-249 characters of "
+        "[a-zA-Z0-9._-], and not '.' or '..'"
+    )
+
+
+class _QuietInitProducerId(logging.Filter):
+    """Drop aiokafka's own log line of a refused idempotent producer: the sink's
+    `BrokerUnavailable` says it, with the way out."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Unexpected error during InitProducerIdRequest")
 
 
 class KafkaSink(Sink):
@@ -32,6 +65,12 @@ class KafkaSink(Sink):
     needs a broker that supports idempotent producers; Tansu's memory store does not.
     ``producer_options`` go to `aiokafka.AIOKafkaProducer`. The client reconnects on its
     own; publishes wait for it (``reconnect_wait``).
+
+    Refused at once (`Dead`): a destination that breaks Kafka's topic-name rules (the
+    client would wait for metadata of a topic that cannot exist), a record over
+    ``max_request_size`` (1 MiB by default) or the broker's ``message.max.bytes``, and
+    the broker's other answers for this record alone (invalid topic, invalid record).
+    Kafka has no wildcards in a produce: any valid name is literal.
     """
 
     name = "kafka"
@@ -64,6 +103,8 @@ class KafkaSink(Sink):
             raise TypeError(f"enable_idempotence must be a bool, not {enable_idempotence!r}")
         self._aiokafka = require("aiokafka", "kafka")
         self._errors = require("aiokafka.errors", "kafka")
+        errors = self._errors
+        self._refused = tuple(getattr(errors, n) for n in _REFUSED if hasattr(errors, n))
         self.bootstrap_servers = bootstrap_servers
         self.default_key = default_key
         self.enable_idempotence = enable_idempotence
@@ -85,7 +126,27 @@ class KafkaSink(Sink):
         }
         options.update(self._options)
         self._producer = self._aiokafka.AIOKafkaProducer(**options)
-        await self._producer.start()
+        if not options["enable_idempotence"]:
+            await self._producer.start()
+            return
+        quiet = _QuietInitProducerId()
+        sender_log = logging.getLogger("aiokafka.producer.sender")
+        sender_log.addFilter(quiet)
+        try:
+            await self._producer.start()
+        except self._errors.KafkaError as exc:
+            if isinstance(exc, (self._errors.KafkaConnectionError, self._errors.KafkaTimeoutError)):
+                raise
+            # connected, then the producer id for idempotence was refused (Tansu's
+            # memory store answers UnknownError)
+            raise BrokerUnavailable(
+                f"kafka at {self.describe()} refused an idempotent producer "
+                f"({type(exc).__name__}: {exc}): relay with --no-idempotence "
+                "(KafkaSink(enable_idempotence=False)), or use a broker that supports "
+                "idempotent producers"
+            ) from None
+        finally:
+            sender_log.removeFilter(quiet)
 
     async def _close(self) -> None:
         if self._producer is not None:
@@ -106,6 +167,14 @@ class KafkaSink(Sink):
             ),
             self.publish_timeout,
         )
+
+    def _destination_problem(self, destination: str) -> str | None:
+        return topic_problem(destination)
+
+    def _refusal(self, exc: BaseException, message: Message) -> str | None:
+        if isinstance(exc, self._refused) or getattr(exc, "errno", None) == _INVALID_RECORD:
+            return f"{type(exc).__name__}: {exc}"
+        return None
 
     def _is_outage(self, exc: BaseException) -> bool:
         errors = self._errors

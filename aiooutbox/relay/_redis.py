@@ -1,33 +1,41 @@
 """`RedisSink`: ``XADD`` each event to a Redis stream.
 
 Fields: ``message_id`` (the event's UUID), ``payload`` (JSON), ``topic``, ``event_id``,
-``headers`` (a JSON object of the event's headers), and ``dedupe_key`` and
-``ordering_key`` when set. Redis does not dedupe: a repeat after a crash is a second
-entry, and stream readers dedupe on ``message_id``. ``maxlen`` trims approximately
-(``MAXLEN ~``), so old entries go in whole macro-nodes, cheaply.
+``headers`` (the event's headers as a JSON object, their values as the producer gave
+them: ``{"x-num": 0}`` stays a number), and ``dedupe_key`` and ``ordering_key`` when
+set. Redis does not dedupe: a repeat after a crash is a second entry, and stream
+readers dedupe on ``message_id``. ``maxlen`` trims approximately (``MAXLEN ~``), so old
+entries go in whole macro-nodes, cheaply.
 """
 
 from __future__ import annotations
 
-import json
 from datetime import timedelta
 from typing import Any
 
 from .._values.limits import check_count
 from ._sink import (
-    DEDUPE_KEY_HEADER,
-    EVENT_ID_HEADER,
-    MESSAGE_ID_HEADER,
-    ORDERING_KEY_HEADER,
-    TOPIC_HEADER,
     Message,
     Sink,
+    payload_body,
     require,
 )
 
 __all__ = ["RedisSink"]
 
-_OWN = {TOPIC_HEADER, EVENT_ID_HEADER, MESSAGE_ID_HEADER, DEDUPE_KEY_HEADER, ORDERING_KEY_HEADER}
+#: replies that refuse this command whatever the retries, and what they mean
+_REFUSALS = {
+    "WRONGTYPE": "the key holds another type of value, not a stream",
+    "Protocol error: invalid bulk length": (
+        "a value over the server's proto-max-bulk-len (the payload is too large)"
+    ),
+}
+#: replies of a server that cannot take writes for now (full, a replica, busy, a
+#: cluster failing over): held like a lost connection
+_BUSY = ("OOM", "READONLY", "BUSY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "LOADING")
+_BUSY_CLASSES = frozenset(
+    {"OutOfMemoryError", "ReadOnlyError", "TryAgainError", "ClusterDownError", "MasterDownError"}
+)
 
 
 class RedisSink(Sink):
@@ -35,7 +43,12 @@ class RedisSink(Sink):
 
     ``url`` is ``redis://host:port/db`` (or ``rediss://``); ``maxlen`` caps each stream
     approximately (``None``: no cap). The client reconnects on the next command after a
-    loss; publishes wait for it (``reconnect_wait``).
+    loss; publishes wait for it (``reconnect_wait``), as they do while the server
+    answers that it cannot write now (OOM, READONLY, BUSY, LOADING, TRYAGAIN, ...).
+
+    Refused at once (`Dead`): a stream name whose key holds another type (WRONGTYPE) and
+    a payload over the server's ``proto-max-bulk-len``. Stream names are literal keys:
+    no wildcards.
     """
 
     name = "redis"
@@ -91,11 +104,8 @@ class RedisSink(Sink):
             "topic": event.topic,
             "event_id": str(event.id),
             "payload": message.body,
-            "headers": json.dumps(
-                {k: v for k, v in message.headers.items() if k not in _OWN},
-                separators=(",", ":"),
-                ensure_ascii=False,
-            ),
+            # the event's own headers, values as they are (message.headers holds text)
+            "headers": payload_body(event.headers) if event.headers else b"{}",
         }
         if event.dedupe_key is not None:
             fields["dedupe_key"] = event.dedupe_key
@@ -108,8 +118,24 @@ class RedisSink(Sink):
             approximate=True,
         )
 
+    def _refusal(self, exc: BaseException, message: Message) -> str | None:
+        if type(exc) is not self._exceptions.ResponseError:  # subclasses: OOM, NOPERM, ...
+            return None
+        text = str(exc)
+        for start, meaning in _REFUSALS.items():
+            if text.startswith(start):
+                return f"{text} ({meaning})"
+        return None
+
     def _is_outage(self, exc: BaseException) -> bool:
         errors = self._exceptions
-        return isinstance(
+        if isinstance(
             exc, (errors.ConnectionError, errors.TimeoutError, errors.BusyLoadingError, OSError)
-        )
+        ):
+            return True
+        if isinstance(exc, errors.ResponseError):
+            # redis-py strips the error code of the classes it knows (OutOfMemoryError,
+            # ReadOnlyError, ...): tell them by class name, the rest by their text
+            code = getattr(exc, "status_code", None) or str(exc).split(" ", 1)[0]
+            return code in _BUSY or type(exc).__name__ in _BUSY_CLASSES
+        return False

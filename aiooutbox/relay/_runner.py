@@ -59,7 +59,9 @@ def add_relay_command(commands: Any, prog: str) -> None:
         relays every topic of the outbox. A row is done only once the broker confirmed
         it. An unreachable broker at start exits 1; lost later, publishes wait up to
         --reconnect-wait for it (no attempt spent), then fail and are retried with the
-        retry policy. With several databases (--dsn repeated, --dsn-file) each has its
+        retry policy. An event the broker refuses for good (a name it cannot take, over
+        its size limit, no stream or queue for it) is dead at once with the broker's
+        reason. With several databases (--dsn repeated, --dsn-file) each has its
         own consumer and --concurrency, all publishing through one sink; every database
         must answer at start (else exit 1, nothing relayed), and one lost later stops
         only its own events until it is back. Signals and exit status as for run.

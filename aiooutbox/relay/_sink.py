@@ -9,9 +9,11 @@ handler (leases, retries, dead, per-key order, observers). Its whole job per eve
 A broker that goes away is the sink's problem, not the event's: while the connection
 is down a call waits for it to come back (up to ``reconnect_wait``) and publishes again
 with the same message id, so a short outage costs no attempt and sends nothing to
-``dead``. Only a failure that is the event's own (no stream or queue takes it, a
-webhook answers 4xx) or an outage longer than ``reconnect_wait`` reaches the consumer's
-retry policy.
+``dead``. An event the broker refuses for good (a destination it cannot take or would
+read as a wildcard, a message over its size limit, no stream or queue for it, a webhook
+answering 4xx) is `Dead` at once with the broker's reason: retrying it could only
+block its key. Anything else, and an outage longer than ``reconnect_wait``, reaches the
+consumer's retry policy.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ __all__ = ["BrokerUnavailable", "Message", "Sink", "SinkClosed", "render_destina
 logger = logging.getLogger("aiooutbox.relay")
 
 _FIELDS = frozenset({"topic", "ordering_key"})
+#: how many destinations a sink remembers the check of
+_REMEMBERED = 4096
+#: the event a destination template is checked with when a sink is made
+_SAMPLE = Event(0, "t", None, None, ordering_key="k")
 
 #: the broker headers (or properties, or stream fields) every sink adds to the event's own
 TOPIC_HEADER = "outbox-topic"
@@ -80,6 +86,13 @@ def check_template(template: object, what: str = "destination") -> str:
     if not template.strip():
         raise InvalidArgument(f"{what} must not be blank")
     return template
+
+
+def shown(destination: str) -> str:
+    """``destination`` quoted for a message, the middle of a long one elided."""
+    if len(destination) <= 120:
+        return repr(destination)
+    return repr(destination[:80]) + "..." + repr(destination[-30:])
 
 
 def ordering_key(event: Event) -> str | None:
@@ -141,7 +154,14 @@ class Message:
     event: Event
 
     @classmethod
-    def of(cls, event: Event, template: str) -> Message:
+    def of(
+        cls,
+        event: Event,
+        template: str,
+        render: Callable[[str, Event], str] | None = None,
+    ) -> Message:
+        """The message for ``event``; ``render`` fills the destination template (default
+        `render_destination`)."""
         if not event.message_id:
             raise Dead("the event has no message_id; migrate the outbox schema")
         body = payload_body(event.payload)
@@ -156,7 +176,12 @@ class Message:
         if key is not None:
             headers[ORDERING_KEY_HEADER] = key
         # the default template is the topic itself: no format() per event
-        destination = event.topic if template == "{topic}" else render_destination(template, event)
+        if render is not None:
+            destination = render(template, event)
+        elif template == "{topic}":
+            destination = event.topic
+        else:
+            destination = render_destination(template, event)
         return cls(destination, body, event.message_id, headers, key, event)
 
 
@@ -171,7 +196,9 @@ class Sink:
     ``concurrency`` above it, claimed events queue for a publish slot, so a claim in
     progress never leaves the broker's window empty (measured: the relay kept ~100 of
     256 publishes in flight while it waited for claims, docs/benchmarks.md).
-    Subclasses implement ``_open``, ``_close``, ``_send`` and ``_is_outage``.
+    Subclasses implement ``_open``, ``_close``, ``_send`` and ``_is_outage``, and tell
+    the broker's permanent refusals with ``_destination_problem``, ``_message_problem``
+    (checked before publishing) and ``_refusal`` (the broker's answer).
     """
 
     name: ClassVar[str] = "sink"
@@ -186,6 +213,14 @@ class Sink:
         max_in_flight: int | None = None,
     ) -> None:
         self.destination = check_template(destination)
+        sample = render_destination(self.destination, _SAMPLE)
+        problem = self._destination_problem(sample)
+        if problem is not None:
+            raise InvalidArgument(
+                f"destination {shown(self.destination)} cannot work with {self.name}: {problem}"
+            )
+        #: destination -> why the broker cannot take it (None: it can), for the last few
+        self._destinations: dict[str, str | None] = {}
         self.connect_timeout = check_seconds("connect_timeout", connect_timeout, minimum=0.01)
         self.publish_timeout = check_seconds("publish_timeout", publish_timeout, minimum=0.01)
         self.reconnect_wait = check_seconds("reconnect_wait", reconnect_wait, minimum=0.0)
@@ -264,8 +299,10 @@ class Sink:
 
     # -- the handler ------------------------------------------------------------------
     async def __call__(self, event: Event) -> None:
-        """Publish ``event`` and return once the broker confirmed it."""
-        message = Message.of(event, self.destination)
+        """Publish ``event`` and return once the broker confirmed it; raise `Dead` with the
+        broker's reason when it refuses the event for good."""
+        message = self._message(event)
+        self._check(message)
         deadline: float | None = None
         pause = 0.05
         while True:
@@ -278,6 +315,12 @@ class Sink:
                     async with self._window:
                         await self._send(message)
             except Exception as exc:
+                reason = self._refusal(exc, message)
+                if reason is not None:
+                    raise Dead(
+                        f"{self.name} refused the message for {shown(message.destination)}: "
+                        f"{reason}"
+                    ) from exc
                 if not self._is_outage(exc):
                     raise
                 now = time.monotonic()
@@ -298,6 +341,25 @@ class Sink:
                 )
                 self._outage_since = None
             return
+
+    def _message(self, event: Event) -> Message:
+        return Message.of(event, self.destination)
+
+    def _check(self, message: Message) -> None:
+        """`Dead` when the broker would refuse ``message`` whatever the retries."""
+        destination = message.destination
+        try:
+            problem = self._destinations[destination]
+        except KeyError:
+            problem = self._destination_problem(destination)
+            if len(self._destinations) >= _REMEMBERED:
+                self._destinations.clear()
+            self._destinations[destination] = problem
+        if problem is None:
+            problem = self._message_problem(message)
+            if problem is None:
+                return
+        raise Dead(f"{self.name} cannot publish to {shown(destination)}: {problem}")
 
     def _note_outage(self, exc: BaseException, now: float) -> None:
         if self._outage_since is None:
@@ -327,6 +389,20 @@ class Sink:
     def _is_outage(self, exc: BaseException) -> bool:
         """True when ``exc`` means the broker is out of reach, not that the event failed."""
         return isinstance(exc, (OSError, asyncio.TimeoutError, ConnectionError))
+
+    def _destination_problem(self, destination: str) -> str | None:
+        """Why the broker can never take ``destination`` (None: it can). Called once per
+        destination (remembered), and on the template at construction."""
+        return None
+
+    def _message_problem(self, message: Message) -> str | None:
+        """Why the broker would refuse ``message`` whatever the retries (None: it would not)."""
+        return None
+
+    def _refusal(self, exc: BaseException, message: Message) -> str | None:
+        """The broker's reason when ``exc`` refuses ``message`` for good (None: ``exc`` is an
+        outage or a failure worth retrying)."""
+        return None
 
 
 def require(module: str, extra: str) -> Any:

@@ -7,6 +7,11 @@ headers (trace context included) and the ``outbox-*`` ones. Outcomes: 2xx done; 
 429 and 5xx retried (``Retry-After`` honoured on 429 and 503); any other 4xx ``dead``,
 with the status and the start of the response body as the event's last error; a
 timeout or refused connection retried with the consumer's backoff.
+
+``{topic}`` and ``{ordering_key}`` are percent-encoded into the URL (``/``, ``?``, ``#``
+and ``..`` in a topic cannot change the path or add a query); a header value that is
+not ASCII is sent as UTF-8, and a header HTTP cannot carry (a name that is not a token,
+a line break in a value) sends the event to ``dead`` at once.
 """
 
 from __future__ import annotations
@@ -15,12 +20,15 @@ import base64
 import email.utils
 import hashlib
 import hmac
+import re
 import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
+from urllib.parse import quote
 
 from ..errors import Dead, InvalidArgument, Retry
-from ._sink import Message, Sink, check_template, require
+from ..events import Event
+from ._sink import Message, Sink, check_template, ordering_key, require
 
 __all__ = ["WebhookError", "WebhookSink", "sign"]
 
@@ -39,6 +47,24 @@ _RESERVED = frozenset(
 )
 _MAX_RETRY_AFTER = 86400.0
 _ERROR_BODY = 500
+#: an HTTP header name is a token (RFC 9110); a value has no control characters but tab
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_NOT_IN_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def url_part(value: str) -> str:
+    """``value`` as one percent-encoded URL path segment (or query value)."""
+    part = quote(value, safe="")
+    # "." and ".." are left alone by quote(), and would move up the path
+    return part.replace(".", "%2E") if part in (".", "..") else part
+
+
+def render_url(template: str, event: Event) -> str:
+    """The webhook URL of ``event``: the template with its fields percent-encoded."""
+    key = ordering_key(event)
+    if key is None and "ordering_key" in template:
+        raise Dead(f"url {template!r} needs an ordering_key; the event has none")
+    return template.format(topic=url_part(event.topic), ordering_key=url_part(key or ""))
 
 
 class WebhookError(Exception):
@@ -118,6 +144,8 @@ class WebhookSink(Sink):
             max_in_flight=max_in_flight,
         )
         self._key = _secret_bytes(secret)
+        #: header names checked to be tokens
+        self._header_names: set[str] = set()
         self._httpx = require("httpx", "webhook")
         self.url = url
         self._options = dict(client_options or {})
@@ -137,8 +165,33 @@ class WebhookSink(Sink):
         if self._client is not None:
             await self._client.aclose()
 
-    def request_headers(self, message: Message, timestamp: int) -> dict[str, str]:
-        headers = {k: v for k, v in message.headers.items() if k.lower() not in _RESERVED}
+    def _message(self, event: Event) -> Message:
+        return Message.of(event, self.destination, render_url)
+
+    def _message_problem(self, message: Message) -> str | None:
+        headers = message.headers
+        if not self._header_names.issuperset(headers):  # names seen before are tokens
+            for name in headers:
+                if not _HEADER_NAME.fullmatch(name):
+                    return f"the header name {name!r} is not an HTTP token: HTTP cannot carry it"
+            if len(self._header_names) < 1024:
+                self._header_names.update(headers)
+        if _NOT_IN_VALUE.search("\t".join(headers.values())):
+            for name, value in headers.items():
+                if _NOT_IN_VALUE.search(value):
+                    return (
+                        f"the header {name!r} has a line break or control character in its "
+                        "value: HTTP cannot carry it"
+                    )
+        return None
+
+    def request_headers(self, message: Message, timestamp: int) -> dict[str, str | bytes]:
+        # values that are not ASCII go as UTF-8 bytes (httpx would refuse the str)
+        headers: dict[str, str | bytes] = {
+            k: v if v.isascii() else v.encode()
+            for k, v in message.headers.items()
+            if k.lower() not in _RESERVED
+        }
         headers["content-type"] = "application/json"
         headers["webhook-id"] = message.message_id
         headers["webhook-timestamp"] = str(timestamp)

@@ -43,20 +43,27 @@ def wait_port(port: int, timeout: float, proc: subprocess.Popen[bytes] | None = 
 
 
 class PrivateNats:
-    """``nats-server -js`` on a free port, its store in a temporary directory."""
+    """``nats-server -js`` on a free port, its store in a temporary directory; ``config``
+    (the text of a configuration file) for what flags cannot say, e.g. users."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: str | None = None) -> None:
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="relay-nats-"))
         self.proc: subprocess.Popen[bytes] | None = None
+        self.config = config
 
     @property
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
     def start(self) -> None:
+        command = ["nats-server", "-js", "-a", "127.0.0.1", "-p", str(self.port)]
+        command += ["-sd", str(self.dir)]
+        if self.config is not None:
+            (self.dir / "nats.conf").write_text(self.config)
+            command += ["-c", str(self.dir / "nats.conf")]
         self.proc = subprocess.Popen(
-            ["nats-server", "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(self.dir)],
+            command,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
