@@ -171,7 +171,8 @@ class NatsSink(Sink):
         self._too_large = errors.MaxPayloadError
 
     def describe(self) -> str:
-        return ",".join(self.servers)
+        # without credentials: the logs and start-up errors print it
+        return ",".join(server.rpartition("@")[2] for server in self.servers)
 
     async def _open(self) -> None:
         async def quiet(exc: Exception) -> None:  # nats-py logs every error otherwise
