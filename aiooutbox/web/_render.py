@@ -19,7 +19,7 @@ from ._counts import Count
 from ._data import age, when
 
 if TYPE_CHECKING:
-    from ._app import Dashboard
+    from ._dashboard import Dashboard
 
 __all__ = ["dashboard_of", "render", "url"]
 

@@ -1,0 +1,137 @@
+"""`Dashboard`: the state every route shares (database, queries, templates, live hub,
+auth), apart from the app and its routes so that the routes can name it."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import asyncpg
+from jinja2 import Environment, PackageLoader, select_autoescape
+
+from ..errors import InvalidArgument
+from ._auth import (
+    BasicAuth,
+    Permission,
+    Resolver,
+    Tokens,
+    is_loopback,
+    proxied,
+    resolve,
+)
+from ._live import Cache, LiveHub
+from ._sql import web_queries
+
+__all__ = ["Dashboard"]
+
+logger = logging.getLogger("aiooutbox.web")
+
+
+class Dashboard:
+    """Everything the routes share: the database, queries, templates, live hub, auth."""
+
+    def __init__(
+        self,
+        *,
+        dsn: str | None,
+        pool: asyncpg.Pool | None,
+        schema: str,
+        table: str,
+        read_only: bool,
+        auth: BasicAuth | Resolver | None,
+        anonymous: Permission | str | None,
+        trace_url: str | None,
+        refresh: float,
+        secret: bytes | None,
+        title: str,
+    ) -> None:
+        if (dsn is None) == (pool is None):
+            raise InvalidArgument("create_app needs exactly one of dsn=... or pool=...")
+        if not isinstance(refresh, (int, float)) or not 0.25 <= refresh <= 3600:
+            raise InvalidArgument(f"refresh must be 0.25-3600 seconds, got {refresh!r}")
+        if trace_url is not None and (
+            not trace_url.startswith(("https://", "http://")) or "{trace_id}" not in trace_url
+        ):
+            raise InvalidArgument(
+                "trace_url must be an http(s) URL containing {trace_id}, e.g. "
+                "https://tempo.example.com/trace/{trace_id}"
+            )
+        self.w = web_queries(schema, table)
+        self.dsn = dsn
+        self._pool = pool
+        self._own_pool = pool is None
+        self.read_only = read_only
+        self.auth = auth
+        self.anonymous = None if anonymous is None else Permission.parse(anonymous)
+        self.trace_url = trace_url
+        self.title = title
+        self.tokens = Tokens(secret)
+        self.hub = LiveHub(self.connection, self.w, float(refresh))
+        self.cache = Cache(float(refresh), self.hub.read_pulse)
+        self.templates = Environment(
+            loader=PackageLoader("aiooutbox.web", "templates"),
+            autoescape=select_autoescape(default=True, default_for_string=True),
+            trim_blocks=True,
+            lstrip_blocks=True,
+        )
+
+    async def pool(self) -> asyncpg.Pool:
+        if self._pool is None:
+            assert self.dsn is not None
+            self._pool = await asyncpg.create_pool(
+                self.dsn,
+                min_size=1,
+                max_size=4,
+                server_settings={
+                    "application_name": "aiooutbox dashboard",
+                    "statement_timeout": "10s",
+                    "jit": "off",
+                },
+            )
+        return self._pool
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[Any]:
+        pool = await self.pool()
+        async with pool.acquire() as conn:
+            yield conn
+
+    async def aclose(self) -> None:
+        """Stop the live updates; close the pool if the dashboard opened it."""
+        await self.hub.close()
+        pool, self._pool = self._pool, None
+        if pool is not None and self._own_pool:
+            await pool.close()
+
+    async def permission(self, scope: dict[str, Any]) -> tuple[Permission, str, bool]:
+        """(permission, actor, ask for credentials) of a request."""
+        from starlette.requests import Request
+
+        client = scope.get("client") or ("?", 0)
+        if isinstance(self.auth, BasicAuth):
+            headers = dict(scope.get("headers", ()))
+            raw = headers.get(b"authorization")
+            found = self.auth.check(raw.decode("latin-1") if raw else None)
+            if found is None:
+                return Permission.NONE, "", True
+            user, permission = found
+            actor = user
+        elif self.auth is not None:
+            permission = await resolve(self.auth, Request(scope))
+            named = scope.get("state", {}).get("dashboard_actor")  # set by the resolver
+            actor = str(named or f"app user at {client[0]}")
+        else:
+            permission = self.anonymous if self.anonymous is not None else self._by_socket(scope)
+            actor = f"anonymous at {client[0]}"
+        if self.read_only:
+            permission = min(permission, Permission.READ)
+        return permission, actor, False
+
+    @staticmethod
+    def _by_socket(scope: Mapping[str, Any]) -> Permission:
+        server = scope.get("server") or ("", 0)
+        if is_loopback(server[0]) and not proxied(scope):
+            return Permission.WRITE
+        return Permission.READ
