@@ -139,6 +139,7 @@ class Message:
     headers: dict[str, str]
     key: str | None
     event: Event
+    content_type: str = "application/json"
 
     @classmethod
     def of(cls, event: Event, template: str) -> Message:
@@ -175,6 +176,8 @@ class Sink:
     """
 
     name: ClassVar[str] = "sink"
+    #: the CloudEvents protocol binding of the broker (None: structured, no binding)
+    cloudevents_binding: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -184,8 +187,11 @@ class Sink:
         publish_timeout: float | timedelta = 10.0,
         reconnect_wait: float | timedelta = 60.0,
         max_in_flight: int | None = None,
+        format: str = "outbox",
+        cloudevents_source: str | None = None,
     ) -> None:
         self.destination = check_template(destination)
+        self._cloudevents = _cloudevents_for(self, format, cloudevents_source)
         self.connect_timeout = check_seconds("connect_timeout", connect_timeout, minimum=0.01)
         self.publish_timeout = check_seconds("publish_timeout", publish_timeout, minimum=0.01)
         self.reconnect_wait = check_seconds("reconnect_wait", reconnect_wait, minimum=0.0)
@@ -266,6 +272,8 @@ class Sink:
     async def __call__(self, event: Event) -> None:
         """Publish ``event`` and return once the broker confirmed it."""
         message = Message.of(event, self.destination)
+        if self._cloudevents is not None:
+            message = self._cloudevents.message(message)
         deadline: float | None = None
         pause = 0.05
         while True:
@@ -327,6 +335,21 @@ class Sink:
     def _is_outage(self, exc: BaseException) -> bool:
         """True when ``exc`` means the broker is out of reach, not that the event failed."""
         return isinstance(exc, (OSError, asyncio.TimeoutError, ConnectionError))
+
+
+def _cloudevents_for(sink: Sink, format: str, source: str | None) -> Any:
+    """The CloudEvents encoder of a sink's ``format`` (None: the default format)."""
+    from ._cloudevents import CloudEvents, check_format, check_source
+
+    if check_format(format) == "outbox":
+        if source is not None:
+            raise InvalidArgument("cloudevents_source applies only to the cloudevents formats")
+        return None
+    return CloudEvents(
+        sink.cloudevents_binding,
+        structured=format == "cloudevents-structured",
+        source=check_source(source) if source is not None else "/aiooutbox",
+    )
 
 
 def require(module: str, extra: str) -> Any:
