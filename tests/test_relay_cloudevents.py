@@ -25,6 +25,7 @@ from cloudevents.core.formats.json import JSONFormat
 import aiooutbox
 from aiooutbox.relay import KafkaSink, NatsSink, RabbitMQSink, RedisSink, WebhookSink
 from tests.clirunner import clean_env, cli
+from tests.conftest import Databases, with_database
 from tests.relay.brokers import AMQP_URL, NATS_URL, REDIS_URL, Tansu, free_port, tansu
 from tests.relay.common import (
     RelayProcess,
@@ -40,6 +41,7 @@ from tests.relay.common import (
 )
 
 SECRET = "whsec_dGVzdCBzZWNyZXQgb2YgZW5vdWdoIGJ5dGVz"
+KEY = 'order 1/100% "x"'  # space, '%' and '"': percent-encoded in HTTP and NATS headers
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 TRACESTATE = "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7"
 SOURCE = "https://example.com/shop/orders?region=eu"
@@ -66,7 +68,7 @@ async def two_events(pool: asyncpg.Pool, topic: str) -> dict[str, dict[str, Any]
             conn,
             topic,
             {"order": 1, "name": "Zoë"},
-            ordering_key="order-1",
+            ordering_key=KEY,
             headers={"traceparent": TRACEPARENT, "tracestate": TRACESTATE, "n": 7},
         )
         await aiooutbox.enqueue(conn, topic, {"order": 2})
@@ -92,7 +94,7 @@ def check(events: list[BaseCloudEvent], rows: dict[str, dict[str, Any]], source:
         assert event.get_data() == json.loads(row["payload"])
         attributes = event.get_attributes()
         if row["ordering_key"] is not None:
-            assert attributes["partitionkey"] == "order-1"
+            assert attributes["partitionkey"] == KEY
             assert attributes["traceparent"] == TRACEPARENT
             assert attributes["tracestate"] == TRACESTATE
         else:
@@ -121,9 +123,58 @@ async def test_kafka_binary_via_the_cli(dsn: str, pool: asyncpg.Pool, kafka: Tan
         message = ce_kafka.KafkaMessage(headers=headers, key=record.key, value=record.value)
         events.append(ce_kafka.from_kafka(message, FORMAT))
         if headers.get("ce_partitionkey"):
-            assert record.key == b"order-1"  # the partition key is the record key too
+            assert record.key == KEY.encode()  # the partition key is the record key too
     database = unquote(urlsplit(dsn).path.lstrip("/"))
     check(events, rows, f"/aiooutbox/{database}/public.outbox_events")
+
+
+@pytest.fixture
+async def other_dsn(databases: Databases) -> AsyncIterator[str]:
+    """A second fresh migrated database on the session's server."""
+    name = await asyncio.wrap_future(databases.take())
+    try:
+        yield with_database(databases.admin_dsn, name)
+    finally:
+        databases.drop_later(name)
+
+
+async def test_several_databases_each_their_own_source(
+    dsn: str, pool: asyncpg.Pool, other_dsn: str, js: Any
+) -> None:
+    """One relay, two databases: each event's default source names its own database."""
+    stream, topic = unique("CE"), unique("ce.many.")
+    await nats_stream(js, stream, [topic], "memory")
+    other = await asyncpg.create_pool(other_dsn, min_size=1, max_size=2)
+    try:
+        first = await two_events(pool, topic)
+        second = await two_events(other, topic)
+        relay = RelayProcess(
+            [f"tenant-a={dsn}", f"tenant-b={other_dsn}"], NATS_URL, "--format", "cloudevents"
+        )
+        try:
+            await wait_done(pool, 2, timeout=60)
+            await wait_done(other, 2, timeout=60)
+        finally:
+            assert await relay.stop() == 0, relay.stderr()
+        messages = await nats_read(js, stream, topic)
+    finally:
+        await other.close()
+        await js.delete_stream(stream)
+    events = [
+        ce_http.from_http(ce_http.HTTPMessage(headers=dict(m.headers), body=m.data), FORMAT)
+        for m in messages
+    ]
+    check(
+        [e for e in events if e.get_id() in first],
+        first,
+        "/aiooutbox/tenant-a/public.outbox_events",
+    )
+    check(
+        [e for e in events if e.get_id() in second],
+        second,
+        "/aiooutbox/tenant-b/public.outbox_events",
+    )
+    assert len(events) == 4
 
 
 # -- HTTP: binary and structured -----------------------------------------------------------
@@ -153,6 +204,8 @@ async def test_webhook_binary_and_structured(pool: asyncpg.Pool, fmt: str) -> No
         if fmt == "cloudevents":
             assert headers["Content-Type"] == "application/json"
             assert ce_headers["ce-source"] == SOURCE  # printable ASCII: not escaped
+            if "ce-partitionkey" in ce_headers:  # space, '%', '"': escaped (HTTP binding)
+                assert ce_headers["ce-partitionkey"] == "order%201/100%25%20%22x%22"
         else:
             assert headers["Content-Type"] == "application/cloudevents+json"
             assert ce_headers == {}

@@ -172,6 +172,9 @@ class Sink:
     ``concurrency`` above it, claimed events queue for a publish slot, so a claim in
     progress never leaves the broker's window empty (measured: the relay kept ~100 of
     256 publishes in flight while it waited for claims, docs/benchmarks.md).
+    ``format="cloudevents"`` publishes each event as a CloudEvent in the broker's binding
+    (``"cloudevents-structured"``: the whole event as JSON in the body), with
+    ``cloudevents_source`` as its ``source`` (see `relay._cloudevents`).
     Subclasses implement ``_open``, ``_close``, ``_send`` and ``_is_outage``.
     """
 
