@@ -55,6 +55,7 @@ class RabbitMQSink(Sink):
     """
 
     name = "rabbitmq"
+    cloudevents_binding = "amqp"
 
     def __init__(
         self,
@@ -66,6 +67,8 @@ class RabbitMQSink(Sink):
         publish_timeout: float | timedelta = 10.0,
         reconnect_wait: float | timedelta = 60.0,
         max_in_flight: int | None = None,
+        format: str = "outbox",
+        cloudevents_source: str | None = None,
     ) -> None:
         super().__init__(
             destination=destination,
@@ -73,6 +76,8 @@ class RabbitMQSink(Sink):
             publish_timeout=publish_timeout,
             reconnect_wait=reconnect_wait,
             max_in_flight=max_in_flight,
+            format=format,
+            cloudevents_source=cloudevents_source,
         )
         if not isinstance(url, str) or not url.startswith(("amqp://", "amqps://")):
             raise TypeError(f"url must be an amqp:// or amqps:// URL, not {url!r}")
@@ -155,7 +160,7 @@ class RabbitMQSink(Sink):
         amqp = self._pika.Message(
             message.body,
             headers=message.headers,
-            content_type="application/json",
+            content_type=message.content_type,
             delivery_mode=self._pika.DeliveryMode.PERSISTENT,
             message_id=message.message_id,
             timestamp=event.created_at,

@@ -74,6 +74,7 @@ class KafkaSink(Sink):
     """
 
     name = "kafka"
+    cloudevents_binding = "kafka"
 
     def __init__(
         self,
@@ -86,6 +87,8 @@ class KafkaSink(Sink):
         publish_timeout: float | timedelta = 10.0,
         reconnect_wait: float | timedelta = 60.0,
         max_in_flight: int | None = None,
+        format: str = "outbox",
+        cloudevents_source: str | None = None,
         producer_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(
@@ -94,6 +97,8 @@ class KafkaSink(Sink):
             publish_timeout=publish_timeout,
             reconnect_wait=reconnect_wait,
             max_in_flight=max_in_flight,
+            format=format,
+            cloudevents_source=cloudevents_source,
         )
         if not (isinstance(bootstrap_servers, (str, list))):
             raise TypeError(f"bootstrap_servers must be a str or list, not {bootstrap_servers!r}")

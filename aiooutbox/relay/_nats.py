@@ -112,6 +112,7 @@ class NatsSink(Sink):
     """
 
     name = "nats"
+    cloudevents_binding = "nats"
 
     def __init__(
         self,
@@ -122,6 +123,8 @@ class NatsSink(Sink):
         publish_timeout: float | timedelta = 10.0,
         reconnect_wait: float | timedelta = 60.0,
         max_in_flight: int | None = None,
+        format: str = "outbox",
+        cloudevents_source: str | None = None,
         connect_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(
@@ -130,6 +133,8 @@ class NatsSink(Sink):
             publish_timeout=publish_timeout,
             reconnect_wait=reconnect_wait,
             max_in_flight=max_in_flight,
+            format=format,
+            cloudevents_source=cloudevents_source,
         )
         self._nats = require("nats", "nats")
         self.servers = [servers] if isinstance(servers, str) else list(servers)

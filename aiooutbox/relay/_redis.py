@@ -63,6 +63,8 @@ class RedisSink(Sink):
         publish_timeout: float | timedelta = 10.0,
         reconnect_wait: float | timedelta = 60.0,
         max_in_flight: int | None = None,
+        format: str = "outbox",
+        cloudevents_source: str | None = None,
     ) -> None:
         super().__init__(
             destination=destination,
@@ -70,6 +72,8 @@ class RedisSink(Sink):
             publish_timeout=publish_timeout,
             reconnect_wait=reconnect_wait,
             max_in_flight=max_in_flight,
+            format=format,
+            cloudevents_source=cloudevents_source,
         )
         if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
             raise TypeError(f"url must be a redis:// or rediss:// URL, not {url!r}")

@@ -107,6 +107,21 @@ def add_relay_command(commands: Any, prog: str) -> None:
         "claims (env AIOOUTBOX_RELAY_MAX_IN_FLIGHT; default: --concurrency)",
     )
     group.add_argument(
+        "--format",
+        metavar="FORMAT",
+        default=env_default("AIOOUTBOX_RELAY_FORMAT", str, "outbox"),
+        help="outbox (the default), cloudevents (CloudEvents 1.0 in each broker's binary "
+        "content mode; structured on Redis) or cloudevents-structured (the whole "
+        "CloudEvent as JSON in the body) (env AIOOUTBOX_RELAY_FORMAT)",
+    )
+    group.add_argument(
+        "--cloudevents-source",
+        metavar="URI-REFERENCE",
+        default=env_default("AIOOUTBOX_CLOUDEVENTS_SOURCE", str, None),
+        help="the CloudEvents source attribute (env AIOOUTBOX_CLOUDEVENTS_SOURCE; default "
+        "/aiooutbox/DATABASE/SCHEMA.TABLE)",
+    )
+    group.add_argument(
         "--no-idempotence",
         dest="idempotence",
         action="store_false",
@@ -119,7 +134,7 @@ def add_relay_command(commands: Any, prog: str) -> None:
     add_logging_options(relay, "info")
 
 
-def _sink(args: argparse.Namespace) -> Any:
+def _sink(args: argparse.Namespace, found: list[Target]) -> Any:
     import os
 
     from ._url import sink_for_url
@@ -137,23 +152,64 @@ def _sink(args: argparse.Namespace) -> Any:
         options["reconnect_wait"] = args.reconnect_wait
     if args.max_in_flight is not None:
         options["max_in_flight"] = args.max_in_flight
+    sources = _cloudevents_options(args, found, options)
     if not args.idempotence:
         if scheme != "kafka":
             raise UsageError("--no-idempotence applies only to kafka:// URLs")
         options["enable_idempotence"] = False
     try:
-        return sink_for_url(
+        sink = sink_for_url(
             args.to, destination=args.destination, exchange=args.exchange, **options
         )
+        if sources:
+            sink._cloudevents.sources = sources  # each database its own default source
+        return sink
     except (InvalidArgument, TypeError) as exc:
         raise UsageError(f"--to/--destination: {exception_message(exc)}") from None
     except ImportError as exc:
         raise CommandError(exception_message(exc).split(" (")[0]) from None
 
 
+def _cloudevents_options(
+    args: argparse.Namespace, found: list[Target], options: dict[str, Any]
+) -> dict[str, str]:
+    """Put ``--format`` and the CloudEvents source into ``options``; with several
+    databases and no ``--cloudevents-source``, return each database's own source."""
+    from ..cli.databases import _dbname
+    from ..embedded import DATABASE
+    from ._cloudevents import check_format, check_source, default_source
+
+    try:
+        fmt = check_format(args.format)
+    except InvalidArgument as exc:
+        raise UsageError(f"--format: {exception_message(exc)}") from None
+    if args.cloudevents_source is not None:
+        if fmt == "outbox":
+            raise UsageError("--cloudevents-source applies only with --format cloudevents")
+        try:
+            check_source(args.cloudevents_source)
+        except InvalidArgument as exc:
+            raise UsageError(f"--cloudevents-source: {exception_message(exc)}") from None
+    if fmt == "outbox":
+        return {}
+    options["format"] = fmt
+    if args.cloudevents_source is not None:
+        options["cloudevents_source"] = args.cloudevents_source
+        return {}
+    names = [_dbname(t.dsn) for t in found] if len(found) <= 1 else [t.name for t in found]
+    sources = {
+        t.name: default_source(n, args.schema, args.table)
+        for t, n in zip(found, names, strict=True)
+    }
+    options["cloudevents_source"] = default_source(
+        names[0] if names else DATABASE, args.schema, args.table
+    )
+    return sources if len(found) > 1 else {}
+
+
 async def cmd_relay(args: argparse.Namespace) -> int:
     found = targets(args)  # every DSN checked, duplicates refused, before anything
-    sink = _sink(args)
+    sink = _sink(args, found)
     args.consumer_options = build_options(args)  # checked once, errors name the flag
     args.retry = args.consumer_options.retry
     check_listen_options(args)

@@ -123,6 +123,7 @@ class WebhookSink(Sink):
     """
 
     name = "webhook"
+    cloudevents_binding = "http"
 
     def __init__(
         self,
@@ -132,6 +133,8 @@ class WebhookSink(Sink):
         connect_timeout: float | timedelta = 10.0,
         publish_timeout: float | timedelta = 10.0,
         max_in_flight: int | None = None,
+        format: str = "outbox",
+        cloudevents_source: str | None = None,
         client_options: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
@@ -142,6 +145,8 @@ class WebhookSink(Sink):
             publish_timeout=publish_timeout,
             reconnect_wait=0,
             max_in_flight=max_in_flight,
+            format=format,
+            cloudevents_source=cloudevents_source,
         )
         self._key = _secret_bytes(secret)
         #: header names checked to be tokens
@@ -192,7 +197,7 @@ class WebhookSink(Sink):
             for k, v in message.headers.items()
             if k.lower() not in _RESERVED
         }
-        headers["content-type"] = "application/json"
+        headers["content-type"] = message.content_type
         headers["webhook-id"] = message.message_id
         headers["webhook-timestamp"] = str(timestamp)
         headers["webhook-signature"] = sign(self._key, message.message_id, timestamp, message.body)
