@@ -33,6 +33,7 @@ from ._clioptions import (
     add_logging_options,
     add_metrics_options,
 )
+from ._clitopics import add_topics_command
 from ._runner import cmd_run
 from ._version import __version__
 
@@ -135,6 +136,8 @@ def build_parser(prog: str = "aiooutbox") -> argparse.ArgumentParser:
     sta.add_argument("--json", action="store_true", help="print JSON for scripts")
     add_database_options(sta)
     add_logging_options(sta, "warning")
+
+    add_topics_command(commands, prog)
 
     dead = add_command(
         commands,

@@ -21,6 +21,7 @@ import asyncpg
 from ._claimwindow import Arrivals, ClaimWindow
 from ._db import TRANSIENT_ERRORS, bounded, check_permanent, pool_is_closed, pooled
 from ._executor import ConsumerStats
+from ._flow import Flow
 from ._handoff import Handoff
 from ._leases import Leases
 from ._listener import Listener
@@ -77,16 +78,18 @@ class Signals:
 
     def __init__(self) -> None:
         self.wake = anyio.Event()  # a notification, a recovery, a stop, a retry written
+        self.wakes = 0  # how many times `wake` was set (flow control's limited topics)
         self.slot_freed = anyio.Event()  # a handler finished
         self.stop = anyio.Event()
 
     def set_wake(self) -> None:
+        self.wakes += 1
         self.wake.set()
 
     def retry_written(self, _due_in: float) -> None:
         """A retry was written: an UPDATE notifies no one, so look again (the idle wait
         is then cut to when it becomes due)."""
-        self.wake.set()
+        self.set_wake()
 
     def set_slot_freed(self) -> None:
         self.slot_freed.set()
@@ -116,8 +119,10 @@ class Dispatcher:
         listener: Listener | None,
         is_stopping: Callable[[], bool],
         observers: Observers,
+        flow: Flow,
     ) -> None:
         self._pool = pool
+        self._flow = flow
         self._observers = observers
         self._o = options
         self._q = options.queries
@@ -146,6 +151,7 @@ class Dispatcher:
         idle = False
         advertised_on = -1  # the listener connection (reconnect count) idle was declared on
         advertised_at = -math.inf  # when the idle advertisement was last written
+        advertised_flow = self._flow.version  # the flow controls it was written under
         full = False
         refill = max(1, o.claim_size // 4)
         while not self._is_stopping():
@@ -214,13 +220,19 @@ class Dispatcher:
             if o.listen and not idle and self._listening:
                 # advertise, then look once more: an insert that committed before the
                 # advertisement saw no idle consumer and sent no notification
+                advertised_flow = self._flow.version
                 idle = await self._declare(busy=False)
                 if idle:
                     advertised_on = listener.reconnects if listener is not None else -1
                     advertised_at = time.monotonic()
                     continue
-            elif idle and time.monotonic() - advertised_at > o.poll_interval / 2:
-                # refresh it well before it expires (it lives 2 x poll_interval + 5 s)
+            elif idle and (
+                time.monotonic() - advertised_at > o.poll_interval / 2
+                or advertised_flow != self._flow.version
+            ):
+                # refresh it well before it expires (it lives 2 x poll_interval + 5 s),
+                # and when a pause changed the topics it names
+                advertised_flow = self._flow.version
                 idle = await self._declare(busy=False)
                 advertised_at = time.monotonic()
             await _wait_for(signals.wake.wait(), await self._idle_timeout(idle))
@@ -243,15 +255,33 @@ class Dispatcher:
         logger.warning("claim failed (%s: %s); retrying in %.2fs", type(exc).__name__, exc, backoff)
 
     async def _claim(self, want: int, handoff: Handoff[list[ClaimedRow]]) -> list[ClaimedRow]:
-        """Claim up to ``want`` rows and hand them to the workers; return them."""
+        """Claim up to ``want`` rows and hand them to the workers; return them.
+
+        Limited topics (flow control) first, each on its share of ``want``, then the
+        open topics on what is left."""
         window = self.window
         started = time.monotonic()
-        full = window.next_is_full(started)
         want = min(want, window.size)
+        flow = self._flow
+        limited = flow.due(started) if flow.active else []
+        topics = flow.open_topics()
+        if limited:
+            share = -(-want // (len(limited) + (topics != [])))
+            with anyio.CancelScope(shield=True):
+                async with pooled(self._pool, self._o.statement_timeout) as conn:
+                    taken = await flow.claim(conn, limited, share)
+                    if taken:
+                        self._hand_out(taken, handoff, first=True)
+            want -= len(taken)
+        else:
+            taken = []
+        if topics == [] or want <= 0:
+            return taken
+        full = window.next_is_full(started)
         args: tuple[Any, ...] = (
             self._o.worker_id,
             self._o.lease_timeout,
-            self._topics,
+            topics,
             want,
             self._o.max_claim_bytes,
             # an ordered key's events behind its head, run in order by one worker
@@ -281,7 +311,7 @@ class Dispatcher:
                     self._hand_out(rows, handoff)
         self._stats.claims += 1
         window.claimed([r.available_at for r in rows], full=full, started=started, ended=ended)
-        return rows
+        return taken + rows if taken else rows
 
     async def take_back_orphans(self, why: str) -> None:
         """Release rows that carry our worker id but that we do not hold.
@@ -311,12 +341,20 @@ class Dispatcher:
                 extra={"event_ids": [r[0] for r in released][:1000]},
             )
 
-    def _hand_out(self, rows: list[ClaimedRow], handoff: Handoff[list[ClaimedRow]]) -> None:
+    def _hand_out(
+        self, rows: list[ClaimedRow], handoff: Handoff[list[ClaimedRow]], *, first: bool = False
+    ) -> None:
+        """Record and hand out claimed rows; ``first``: ahead of rows claimed earlier (a
+        limited topic's rows count against its limit until they run)."""
         now = time.monotonic()
         self._arrivals.add(now, len(rows))
         self._stats.claimed += len(rows)
         self._stats.in_flight += len(rows)
         self._leases.hold_all(rows, now)
+        if first:
+            for run in reversed(runs_of(rows)):
+                handoff.put_first(run)
+            return
         for run in runs_of(rows):
             handoff.put(run)
 
@@ -324,9 +362,17 @@ class Dispatcher:
         """Jittered poll interval, shortened to when the next delayed event becomes due,
         and while a transaction that may hold an un-notified insert is still open."""
         timeout = self._o.poll_interval * random.uniform(0.8, 1.2)
+        flow = self._flow
+        if flow.active:
+            timeout = min(timeout, flow.next_due(time.monotonic()))
+        topics = flow.quiet_topics() if flow.active else self._topics
+        if topics is None and flow.active and flow.paused_all:
+            topics = []
         try:
-            args: tuple[Any, ...] = () if self._topics is None else (self._topics,)
-            sql = self._q.idle_probe_any if self._topics is None else self._q.idle_probe
+            args: tuple[Any, ...] = () if topics is None else (topics,)
+            sql = self._q.idle_probe_any if topics is None else self._q.idle_probe
+            if topics is None and (held := flow.held_back()):
+                sql, args = flow.queries.idle_probe_except, (held,)
             probe = await bounded(
                 self._pool, "fetchrow", sql, *args, timeout=self._o.statement_timeout
             )
@@ -350,7 +396,7 @@ class Dispatcher:
     async def _declare(self, *, busy: bool) -> bool:
         """Advertise this consumer as idle (or withdraw it); return whether it is idle."""
         try:
-            await declare(self._pool, self._o, self._topics, busy=busy)
+            await declare(self._pool, self._o, self._flow.advertised(), busy=busy)
         except TRANSIENT_ERRORS as exc:
             check_permanent(exc, "advertising idleness")
             logger.debug("idle advertisement failed: %s", exc)

@@ -20,6 +20,7 @@ import asyncpg
 from ._db import TRANSIENT_ERRORS
 from ._dispatcher import Dispatcher, Signals, declare
 from ._executor import ConsumerStats, Executor
+from ._flow import Flow
 from ._handoff import Handoff
 from ._leases import Leases
 from ._listener import Listener
@@ -74,6 +75,7 @@ class Engine:
         self.listener: Listener | None = None
         self.settler: Settler | None = None
         self.watchdog: Watchdog | None = None
+        self.flow: Flow | None = None
         self.workers_scope: anyio.CancelScope | None = None
         self.startup_scope: anyio.CancelScope | None = None
 
@@ -98,6 +100,7 @@ class Engine:
             statement_timeout=o.statement_timeout,
             on_promoted=signals.set_wake,  # the key's next event may be ours to claim
             on_retry_due=signals.retry_written,
+            on_written=lambda: written(),
         )
         logger.info(
             "consumer %s starting: topics=%s concurrency=%d",
@@ -106,6 +109,20 @@ class Engine:
             o.concurrency,
             extra={"worker_id": o.worker_id, "topics": topics},
         )
+        flow = self.flow = Flow(
+            self._pool,
+            o,
+            topics,
+            self._leases,
+            unsettled=settler.unsettled_ids,
+            wakes=lambda: signals.wakes,
+            on_change=signals.set_wake,
+        )
+
+        def written() -> None:
+            if flow.waiting_for_slot():  # a limited topic may claim again (even when idle)
+                signals.set_wake()
+
         async with anyio.create_task_group() as services:
             if o.listen:
                 self.listener = Listener(
@@ -118,6 +135,7 @@ class Engine:
                     timeout=o.statement_timeout,
                     worker_id=o.worker_id,
                     probe_interval=o.listen_probe_interval,
+                    on_flow=flow.notice,
                 )
                 # a stop() during the first connect must not wait for its timeout
                 with anyio.CancelScope() as self.startup_scope:
@@ -125,6 +143,7 @@ class Engine:
                         self.startup_scope.cancel()
                     await services.start(self.listener.run)
                 self.startup_scope = None
+            await services.start(flow.run)
             self._started.set()
             services.start_soon(settler.run)
             maintenance = Maintenance(
@@ -169,6 +188,7 @@ class Engine:
                 listener=self.listener,
                 is_stopping=self._is_stopping,
                 observers=self._observers,
+                flow=flow,
             )
             handoff: Handoff[list[ClaimedRow]] = Handoff()
             try:

@@ -211,8 +211,7 @@ class FlowQueries:
     @property
     def everything_paused(self) -> str:
         return (
-            f"SELECT coalesce((SELECT paused FROM {self.controls_table}"
-            f" WHERE topic = ''), false)"
+            f"SELECT coalesce((SELECT paused FROM {self.controls_table} WHERE topic = ''), false)"
         )
 
     @property

@@ -18,7 +18,7 @@ import re
 import socket
 import time
 from dataclasses import replace
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
 import asyncpg
 
@@ -41,12 +41,12 @@ __all__ = [
     "pause_topic",
     "resume_all",
     "resume_topic",
-    "topic",
     "topic_controls",
+    "topic_info",
     "topics",
 ]
 
-Db = asyncpg.Connection | asyncpg.Pool
+Db: TypeAlias = asyncpg.Connection | asyncpg.Pool
 
 
 class _Keep:
@@ -112,7 +112,7 @@ def _rate_per_second(per_second: float, shown: str) -> float:
 
 def burst_for(rate: float) -> float:
     """The default burst: a tenth of a second's worth of events, at least one."""
-    return max(1.0, math.floor(rate / 10))
+    return float(max(1, math.floor(rate / 10)))
 
 
 def _rate(value: object) -> tuple[float, str] | None:
@@ -123,8 +123,10 @@ def _rate(value: object) -> tuple[float, str] | None:
             return None
         return parse_rate(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"rate must be a str such as '50/s', a number per second or None, "
-                        f"not {type(value).__name__}")  # fmt: skip
+        raise TypeError(
+            f"rate must be a str such as '50/s', a number per second or None, "
+            f"not {type(value).__name__}"
+        )
     per_second = float(value)
     shown = f"{per_second:g}/s"
     return _rate_per_second(per_second, shown), shown
@@ -179,8 +181,7 @@ def _control(row: Any) -> TopicControl:
 
 
 def _state(c: TopicControl) -> dict[str, Any]:
-    return {"paused": c.paused, "max_running": c.max_running, "rate": c.rate_text,
-            "burst": c.burst}  # fmt: skip
+    return {"paused": c.paused, "max_running": c.max_running, "rate": c.rate_text, "burst": c.burst}
 
 
 async def _changing(db: Db, fq: FlowQueries, change: Any) -> Any:
@@ -225,10 +226,17 @@ async def _apply(
         refill = (after.rate, after.burst) != (before.rate, before.burst)
         result = _control(
             await conn.fetchrow(
-                fq.upsert_control, topic, after.paused, after.max_running, after.rate,
-                after.rate_text, after.burst, actor, refill,
+                fq.upsert_control,
+                topic,
+                after.paused,
+                after.max_running,
+                after.rate,
+                after.rate_text,
+                after.burst,
+                actor,
+                refill,
             )
-        )  # fmt: skip
+        )
     if after.max_running is not None and before.max_running is None:
         # rows claimed before the limit count against it from now on
         await conn.execute(fq.count_running, topic)
@@ -315,9 +323,9 @@ async def limit_topic(
     db: Db,
     topic: str,
     *,
-    max_running: int | None | _Keep = KEEP,
-    rate: str | float | None | _Keep = KEEP,
-    burst: float | None | _Keep = KEEP,
+    max_running: int | _Keep | None = KEEP,
+    rate: str | float | _Keep | None = KEEP,
+    burst: float | _Keep | None = KEEP,
     actor: str | None = None,
     schema: str = DEFAULT_SCHEMA,
     table: str = DEFAULT_TABLE,
@@ -368,7 +376,7 @@ async def topics(
     return await _overview(db, None, _names(schema, table))
 
 
-async def topic(
+async def topic_info(
     db: Db, name: str, *, schema: str = DEFAULT_SCHEMA, table: str = DEFAULT_TABLE
 ) -> TopicInfo | None:
     """One topic as `topics` lists it; ``None`` if it has no unfinished events and no

@@ -62,6 +62,7 @@ class Settler:
         statement_timeout: float,
         on_promoted: Callable[[], None] = lambda: None,
         on_retry_due: Callable[[float], None] = lambda _: None,
+        on_written: Callable[[], None] = lambda: None,
     ) -> None:
         self._pool = pool
         self._q = queries
@@ -77,6 +78,7 @@ class Settler:
         self._writing = _Batch()  # the batch a flush is writing now
         self._on_promoted = on_promoted
         self._on_retry_due = on_retry_due
+        self._on_written = on_written  # a flush wrote its outcomes (flow control's slots)
         self._promote_later: set[str] = set()  # keys a producer held locked (see 0005)
         self._promoting: set[str] = set()
         self.promoted = 0  # waiting ordered events promoted to their key's head
@@ -176,6 +178,7 @@ class Settler:
                 delay = min(delay * 2, 5.0)
             else:
                 self._writing = _Batch()
+                self._on_written()
         flushed, self._flushed = self._flushed, anyio.Event()
         flushed.set()
 

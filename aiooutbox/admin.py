@@ -40,8 +40,8 @@ from ._flowadmin import (
     pause_topic,
     resume_all,
     resume_topic,
-    topic,
     topic_controls,
+    topic_info,
     topics,
 )
 from ._limits import check_count, check_seconds
@@ -89,8 +89,8 @@ __all__ = [
     "resume_all",
     "resume_topic",
     "stats",
-    "topic",
     "topic_controls",
+    "topic_info",
     "topics",
     "unconsumed_topics",
 ]
@@ -183,10 +183,8 @@ async def stats(
         blocked = [BlockedKey(*r) for r in await conn.fetch(a.blocked_keys, _BLOCKED_SHOWN)]
         controls = await topic_controls(conn, schema=schema, table=table)
     held = {c.topic for c in controls if c.paused}
-    if "" in held:
-        unconsumed = []  # every topic is paused: nothing is expected to run
-    else:  # a paused topic waits by design
-        unconsumed = [u for u in unconsumed if u.topic not in held]
+    # a paused topic waits by design ("": every topic is paused)
+    unconsumed = [] if "" in held else [u for u in unconsumed if u.topic not in held]
     by_topic: dict[str, dict[str, int]] = {}
     for topic, status, count in counts:
         by_topic.setdefault(topic, dict.fromkeys(STATUSES, 0))[status] = count
