@@ -241,6 +241,21 @@ class QueueCollector(Collector):
             "aiooutbox_queue_stats_timestamp_seconds",
             "Unix time of the last successful refresh of the queue gauges.",
         )
+        paused = GaugeMetricFamily(
+            "aiooutbox_topic_paused",
+            '1 for each paused topic (topic="*": every topic is paused).',
+            labels=["topic"],
+        )
+        max_running = GaugeMetricFamily(
+            "aiooutbox_topic_max_running",
+            "The limit on events of the topic claimed at once, across all consumers.",
+            labels=["topic"],
+        )
+        rate = GaugeMetricFamily(
+            "aiooutbox_topic_rate_limit",
+            "The limit on claims of the topic, in events per second.",
+            labels=["topic"],
+        )
         snapshot = queue.snapshot if queue is not None else None
         if snapshot is not None:
             for (topic, status), rows in sorted(snapshot.depth.items()):
@@ -248,6 +263,16 @@ class QueueCollector(Collector):
             for topic, seconds in sorted(snapshot.lag.items()):
                 lag.add_metric([topic], seconds)
             updated.add_metric([], snapshot.at)
+            for topic, (is_paused, most, per_second) in sorted(snapshot.controls.items()):
+                if is_paused:
+                    paused.add_metric([topic], 1.0)
+                if most is not None:
+                    max_running.add_metric([topic], float(most))
+                if per_second is not None:
+                    rate.add_metric([topic], per_second)
         yield depth
         yield lag
         yield updated
+        yield paused
+        yield max_running
+        yield rate
