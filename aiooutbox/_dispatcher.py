@@ -38,6 +38,9 @@ logger = logging.getLogger("aiooutbox.consumer")
 # After an empty claim, look again after these pauses before declaring idle, so that
 # under steady load a consumer never waits on NOTIFY (and producers never pay for it).
 _LINGER = (0.002, 0.004, 0.008, 0.016, 0.032)
+# a rate-limited topic whose next token comes within this many seconds is waited for
+# without going idle
+_SOON = 0.25
 # an idle consumer that sees another transaction holding the table's write lock looks
 # again after the first pause, doubling up to the second (see `_idle_timeout`)
 _RECHECK = (0.01, 1.0)
@@ -139,6 +142,10 @@ class Dispatcher:
         # a claim failed (its reply may have been lost), or we just started (a consumer
         # restarted under a fixed worker_id may have left rows behind)
         self._reconcile = True
+        # waiting for a rate-limited topic's tokens: the open topics had nothing at
+        # (wake-ups, time); they are claimed again after a wake-up or `_SOON` seconds
+        self._open_quiet: tuple[int, float] | None = None
+        self._open_found = 0  # rows the last claim of the open topics took
 
     @property
     def _listening(self) -> bool:
@@ -200,11 +207,21 @@ class Dispatcher:
                 await self._declare(busy=True)
             # full: the heads (runs ride along beyond them) took every row asked for
             full = sum(r.is_head for r in rows) >= min(want, self.window.size)
+            if self._flow.more:  # a limited topic gave all its share: it may have more
+                self._flow.more = False
+                full = True
             if full:
                 linger = 0
                 continue
             if rows:
                 linger = 0
+            if self._flow.active and (soon := self._flow.rate_due(time.monotonic())) < _SOON:
+                # a rate-limited topic's next token is near: ask for it then, without
+                # the round trips of going idle (they would let the tokens pile up)
+                if not self._open_found and self._open_quiet is None:
+                    self._open_quiet = (signals.wakes, time.monotonic())
+                await _wait_for(signals.wake.wait(), soon)
+                continue
             if linger < len(_LINGER) and self._arrivals.dense(time.monotonic()):
                 await _wait_for(signals.wake.wait(), _LINGER[linger])
                 linger += 1
@@ -275,8 +292,14 @@ class Dispatcher:
             want -= len(taken)
         else:
             taken = []
-        if topics == [] or want <= 0:
+        quiet = self._open_quiet
+        if (
+            topics == []
+            or want <= 0
+            or (quiet and quiet[0] == self._signals.wakes and started - quiet[1] < _SOON)
+        ):
             return taken
+        self._open_quiet = None
         full = window.next_is_full(started)
         args: tuple[Any, ...] = (
             self._o.worker_id,
@@ -310,6 +333,7 @@ class Dispatcher:
                 if rows:
                     self._hand_out(rows, handoff)
         self._stats.claims += 1
+        self._open_found = len(rows)
         window.claimed([r.available_at for r in rows], full=full, started=started, ended=ended)
         return taken + rows if taken else rows
 

@@ -123,6 +123,11 @@ class Engine:
             if flow.waiting_for_slot():  # a limited topic may claim again (even when idle)
                 signals.set_wake()
 
+        def finished() -> None:
+            signals.set_slot_freed()
+            if flow.holds_limited:  # its slot frees only once the outcome is written
+                settler.hurry()
+
         async with anyio.create_task_group() as services:
             if o.listen:
                 self.listener = Listener(
@@ -173,7 +178,7 @@ class Engine:
                 is_hurried=lambda: (
                     self.workers_scope is not None and self.workers_scope.cancel_called
                 ),
-                on_finished=signals.set_slot_freed,
+                on_finished=finished,
                 on_fatal=self._on_fatal,
                 observers=self._observers,
             )

@@ -94,6 +94,8 @@ class Flow:
         self.version = 0  # bumped whenever the controls read differ
         self._held: dict[str, _Held] = {}
         self._mine: dict[str, dict[int, int]] = {}  # max_running topic -> {id: attempts}
+        self.holds_limited = False  # whether `_mine` may hold rows (read per finished event)
+        self.more = False  # the last claim took all it asked of a limited topic
         self._stale = anyio.Event()
 
     # -- reading the controls ----------------------------------------------------------
@@ -196,6 +198,7 @@ class Flow:
                 ]
                 for i in finished:
                     del mine[i]
+                self.holds_limited = any(self._mine.values())
                 return bool(finished)
         return False
 
@@ -205,6 +208,18 @@ class Flow:
             h.until - now
             for t, h in self._held.items()
             if h.why in ("running", "rate")
+            and t in self._controls
+            and self._controls[t].limited
+            and self._scope(t)
+        ]
+        return max(0.0, min(waits)) if waits else math.inf
+
+    def rate_due(self, now: float) -> float:
+        """Seconds until the next token of a rate-limited topic out of them (inf: none)."""
+        waits = [
+            h.until - now
+            for t, h in self._held.items()
+            if h.why == "rate"
             and t in self._controls
             and self._controls[t].limited
             and self._scope(t)
@@ -261,6 +276,7 @@ class Flow:
                 c = self._controls.get(row.topic)
                 if c is not None and c.max_running is not None:
                     self._mine.setdefault(row.topic, {})[row.id] = row.attempts
+                    self.holds_limited = True
                 continue
             why, retry_in = r["held"], r["retry_in"]
             if why == "rate":
@@ -273,4 +289,5 @@ class Flow:
                 until = now + REFRESH
                 self._stale.set()
             self._held[r[1]] = _Held(why, until, self._wakes())
+        self.more = any(t not in self._held for t in topics)
         return rows

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
@@ -325,7 +326,7 @@ async def test_two_operators_changing_one_limit_at_once_are_both_logged(dsn: str
     assert {r.max_running for r in results} == {1, 2, 3, 4, 5, 6}
     assert len(history) == 6 and {h.actor for h in history} == {f"op{n}" for n in range(6)}
     # serialised: each change starts from the one before it, and the last one stands
-    for before, after in zip(history, history[1:], strict=False):
+    for before, after in itertools.pairwise(history):
         assert after.before == before.after
     assert [c.max_running for c in final] == [history[-1].after["max_running"]]  # type: ignore[index]
 
@@ -395,8 +396,12 @@ async def test_topics_lists_depth_lag_pause_and_limits(conn: asyncpg.Connection)
     assert report.paused == [] and not report.unconsumed
     changes = await admin.flow_history(conn)
     assert [(h.topic, h.action) for h in changes] == [
-        ("a", "resume"), ("", "resume"), ("", "pause"), ("c", "limit"), ("a", "pause")
-    ]  # fmt: skip
+        ("a", "resume"),
+        ("", "resume"),
+        ("", "pause"),
+        ("c", "limit"),
+        ("a", "pause"),
+    ]
 
 
 async def test_refresh_interval_bounds_a_missed_notification(

@@ -3,7 +3,7 @@
 Configuration (JSON, all but ``dsn`` optional)::
 
     {"dsn": "...", "worker_id": "a", "topics": ["t"], "concurrency": 8, "sleep": 0.3,
-     "lease_timeout": 2, "poll_interval": 1, "prefetch": null}
+     "sleep_topics": ["t"], "lease_timeout": 2, "poll_interval": 1, "prefetch": null}
 
 Every handler run is recorded in ``runs(event_id, topic, worker_id, started, ended)``:
 a row inserted (autocommitted, with the server's clock) before the handler's work and
@@ -32,6 +32,7 @@ RUNS_DDL = (
 async def main(config: dict[str, Any]) -> None:
     worker_id = config.get("worker_id", "flow")
     sleep = float(config.get("sleep", 0.0))
+    slow = set(config.get("sleep_topics", config.get("topics", ["t"])))  # topics that sleep
     async with asyncpg.create_pool(config["dsn"], min_size=2, max_size=8) as pool:
 
         async def handler(event: aiooutbox.Event) -> None:
@@ -42,7 +43,7 @@ async def main(config: dict[str, Any]) -> None:
                 event.topic,
                 worker_id,
             )
-            if sleep:
+            if sleep and event.topic in slow:
                 await asyncio.sleep(sleep)
             await pool.execute(
                 "UPDATE runs SET ended = clock_timestamp()"
