@@ -275,32 +275,53 @@ class Dispatcher:
         """Claim up to ``want`` rows and hand them to the workers; return them.
 
         Limited topics (flow control) first, each on its share of ``want``, then the
-        open topics on what is left."""
+        open topics on what is left, on one connection."""
         window = self.window
         started = time.monotonic()
         want = min(want, window.size)
         flow = self._flow
         limited = flow.due(started) if flow.active else []
         topics = flow.open_topics()
-        if limited:
-            share = -(-want // (len(limited) + (topics != [])))
-            with anyio.CancelScope(shield=True):
-                async with pooled(self._pool, self._o.statement_timeout) as conn:
-                    taken = await flow.claim(conn, limited, share)
-                    if taken:
-                        self._hand_out(taken, handoff, first=True)
-            want -= len(taken)
-        else:
-            taken = []
         quiet = self._open_quiet
-        if (
-            topics == []
-            or want <= 0
-            or (quiet and quiet[0] == self._signals.wakes and started - quiet[1] < _SOON)
-        ):
-            return taken
-        self._open_quiet = None
+        claim_open = topics != [] and not (
+            quiet and quiet[0] == self._signals.wakes and started - quiet[1] < _SOON
+        )
+        if not (limited or claim_open):
+            return []
         full = window.next_is_full(started)
+        taken: list[ClaimedRow] = []
+        rows: list[ClaimedRow] = []
+        # shielded: a claim the server committed is always read and handed out, so a
+        # fast stop during a claim releases its rows instead of stranding them for a
+        # lease (the wait is bounded by the acquire and statement timeouts)
+        with anyio.CancelScope(shield=True):
+            async with pooled(self._pool, self._o.statement_timeout) as conn:
+                if limited:
+                    share = -(-want // (len(limited) + claim_open))
+                    taken = await flow.claim(conn, limited, share)
+                    self._stats.claims += 1
+                rest = want - len(taken)
+                if claim_open and rest > 0:
+                    self._open_quiet = None
+                    rows = await self._claim_open(conn, topics, rest, full)
+                ended = time.monotonic()
+                if self._observers:  # first: they say here whether they want these events
+                    self._observers.claimed(len(taken) + len(rows), ended - started)
+                # before the release: returning a connection to the pool resets it, a
+                # round trip the handlers need not wait for
+                if taken:
+                    self._hand_out(taken, handoff, first=True)
+                if rows:
+                    self._hand_out(rows, handoff)
+        if claim_open and rest > 0:
+            self._stats.claims += 1
+            self._open_found = len(rows)
+            window.claimed([r.available_at for r in rows], full=full, started=started, ended=ended)
+        return taken + rows if taken else rows
+
+    async def _claim_open(
+        self, conn: asyncpg.Connection, topics: list[str] | None, want: int, full: bool
+    ) -> list[ClaimedRow]:
         args: tuple[Any, ...] = (
             self._o.worker_id,
             self._o.lease_timeout,
@@ -315,27 +336,11 @@ class Dispatcher:
         )
         sql = self._q.claim
         if not full:
-            assert window.watermark is not None
+            assert self.window.watermark is not None
             sql = self._q.claim_after
-            args += window.watermark
-        # shielded: a claim the server committed is always read and handed out, so a
-        # fast stop during a claim releases its rows instead of stranding them for a
-        # lease (the wait is bounded by the acquire and statement timeouts)
-        with anyio.CancelScope(shield=True):
-            async with pooled(self._pool, self._o.statement_timeout) as conn:
-                records = await conn.fetch(sql, *args, timeout=self._o.statement_timeout)
-                rows = [ClaimedRow.from_record(r) for r in records]
-                ended = time.monotonic()
-                if self._observers:  # first: they say here whether they want these events
-                    self._observers.claimed(len(rows), ended - started)
-                # before the release: returning a connection to the pool resets it, a
-                # round trip the handlers need not wait for
-                if rows:
-                    self._hand_out(rows, handoff)
-        self._stats.claims += 1
-        self._open_found = len(rows)
-        window.claimed([r.available_at for r in rows], full=full, started=started, ended=ended)
-        return taken + rows if taken else rows
+            args += self.window.watermark
+        records = await conn.fetch(sql, *args, timeout=self._o.statement_timeout)
+        return [ClaimedRow.from_record(r) for r in records]
 
     async def take_back_orphans(self, why: str) -> None:
         """Release rows that carry our worker id but that we do not hold.

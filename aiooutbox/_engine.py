@@ -125,7 +125,7 @@ class Engine:
 
         def finished() -> None:
             signals.set_slot_freed()
-            if flow.holds_limited:  # its slot frees only once the outcome is written
+            if flow.slot_wait:  # a limited topic's slot frees once the outcome is written
                 settler.hurry()
 
         async with anyio.create_task_group() as services:

@@ -94,7 +94,9 @@ class Flow:
         self.version = 0  # bumped whenever the controls read differ
         self._held: dict[str, _Held] = {}
         self._mine: dict[str, dict[int, int]] = {}  # max_running topic -> {id: attempts}
-        self.holds_limited = False  # whether `_mine` may hold rows (read per finished event)
+        # a topic at its max_running waits for a row this consumer holds: its outcome
+        # is worth writing at once (read for every finished event)
+        self.slot_wait = False
         self.more = False  # the last claim took all it asked of a limited topic
         self._stale = anyio.Event()
 
@@ -136,6 +138,7 @@ class Flow:
             self._held.pop(topic, None)
             if (c := controls.get(topic)) is None or c.max_running is None:
                 self._mine.pop(topic, None)
+        self.slot_wait = self.waiting_for_slot()
         if changed or paused_all:
             logger.info(
                 "flow controls changed: paused %s; limited %s",
@@ -187,20 +190,23 @@ class Flow:
             return True
         if held.why == "empty":
             return self._wakes() != held.wakes
-        if held.why == "running":
-            mine = self._mine.get(topic)
-            if mine:
-                unwritten = set(self._unsettled())
-                finished = [
-                    i
-                    for i, a in mine.items()
-                    if not self._leases.holds(i, a) and i not in unwritten
-                ]
-                for i in finished:
-                    del mine[i]
-                self.holds_limited = any(self._mine.values())
-                return bool(finished)
+        if held.why == "running" and self._finished(topic):
+            self.slot_wait = self.waiting_for_slot()
+            return True
         return False
+
+    def _finished(self, topic: str) -> int:
+        """Forget the rows of ``topic`` this consumer held whose outcome is written (their
+        slots are free); return how many."""
+        mine = self._mine.get(topic)
+        if not mine:
+            return 0
+        unwritten = set(self._unsettled())
+        holds = self._leases.holds
+        finished = [i for i, a in mine.items() if not holds(i, a) and i not in unwritten]
+        for i in finished:
+            del mine[i]
+        return len(finished)
 
     def next_due(self, now: float) -> float:
         """Seconds until a held limited topic is worth asking again (inf: none is)."""
@@ -269,6 +275,7 @@ class Flow:
         rows: list[ClaimedRow] = []
         for topic in topics:
             self._held.pop(topic, None)
+            self._finished(topic)  # forget the rows that finished
         for r in records:
             if r[0] is not None:
                 row = ClaimedRow.from_record(tuple(r)[:_COLUMNS])
@@ -276,7 +283,6 @@ class Flow:
                 c = self._controls.get(row.topic)
                 if c is not None and c.max_running is not None:
                     self._mine.setdefault(row.topic, {})[row.id] = row.attempts
-                    self.holds_limited = True
                 continue
             why, retry_in = r["held"], r["retry_in"]
             if why == "rate":
@@ -290,4 +296,5 @@ class Flow:
                 self._stale.set()
             self._held[r[1]] = _Held(why, until, self._wakes())
         self.more = any(t not in self._held for t in topics)
+        self.slot_wait = self.waiting_for_slot()
         return rows
