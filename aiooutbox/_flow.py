@@ -107,7 +107,11 @@ class Flow:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Read the controls now (a failure here fails the start), then keep them fresh."""
-        await self.refresh()
+        try:
+            await self.refresh()
+        except TRANSIENT_ERRORS as exc:
+            check_permanent(exc, "reading the topic controls")  # e.g. a missing grant
+            raise
         task_status.started()
         while True:
             with anyio.move_on_after(REFRESH * random.uniform(0.8, 1.0)):

@@ -8,15 +8,18 @@ import asyncio
 import contextlib
 import itertools
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
 
 import aiooutbox
 from aiooutbox import admin
+from aiooutbox._db import PermanentDatabaseError
 from aiooutbox._flow import REFRESH
 from aiooutbox._flow_sql import flow_queries
 from aiooutbox._sql import queries
@@ -419,3 +422,27 @@ async def test_refresh_interval_bounds_a_missed_notification(
         started = time.monotonic()
         await wait_until(lambda: _eq(track.done, "t", 5), timeout=10)
     assert time.monotonic() - started < REFRESH + 1.0
+
+
+async def test_a_consumer_without_the_flow_grant_stops_at_start_with_the_fix(dsn: str) -> None:
+    role = f"aiooutbox_f_{uuid.uuid4().hex[:8]}"
+    owner = await asyncpg.connect(dsn)
+    try:
+        await owner.execute(
+            f'CREATE ROLE "{role}" LOGIN; GRANT USAGE ON SCHEMA public TO "{role}";'
+            f' GRANT SELECT, UPDATE, DELETE ON outbox_events TO "{role}";'
+            f' GRANT SELECT, INSERT, UPDATE, DELETE ON outbox_events_idle TO "{role}";'
+            " GRANT SELECT ON outbox_events_migrations, outbox_events_migrations_compat"
+            f' TO "{role}"'
+        )
+        parts = urlsplit(dsn)
+        user_dsn = urlunsplit(parts._replace(netloc=f"{role}@{parts.netloc.rpartition('@')[2]}"))
+        async with asyncpg.create_pool(user_dsn, min_size=1, max_size=4) as pool:
+            with pytest.raises(PermanentDatabaseError, match=r"topic controls.*grant"):
+                await asyncio.wait_for(consumer(pool).run({"t": Tracker()}), 30)
+            # an older consumer's claim (schema 6 to 8) reads the controls without it
+            await admin.pause_topic(owner, "t")
+            assert await pool.fetch(Q.claim, "old", 30.0, ["t"], 10, 1 << 30, 0, 0) == []
+    finally:
+        await owner.execute(f'DROP OWNED BY "{role}"; DROP ROLE IF EXISTS "{role}"')
+        await owner.close()
