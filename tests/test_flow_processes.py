@@ -241,3 +241,61 @@ async def test_rate_limit_across_three_processes_over_thirty_seconds(
     assert abs(handled - expected) <= 0.05 * expected
     assert worst <= rate + burst
     assert workers == 3
+
+
+async def test_a_relay_of_every_topic_honours_a_pause_and_a_limit(
+    dsn: str, conn: asyncpg.Connection
+) -> None:
+    """``python -m aiooutbox relay`` runs on the consumer engine: a paused topic is not
+    published until resumed, a limited one never has more claimed than its limit."""
+    import nats
+
+    from tests.relay.brokers import NATS_URL
+    from tests.relay.common import RelayProcess, nats_stream, unique
+
+    nc = await nats.connect(NATS_URL)
+    js = nc.jetstream()
+    stream, prefix = unique("FLOW"), unique("flow.relay.") + "."
+    await nats_stream(js, stream, [prefix + ">"], "memory")
+    held, narrow, free = prefix + "held", prefix + "narrow", prefix + "free"
+    try:
+        await admin.pause_topic(conn, held)
+        await admin.limit_topic(conn, narrow, max_running=2)
+        for topic in (held, narrow, free):
+            await aiooutbox.enqueue_many(
+                conn, [aiooutbox.NewEvent(topic, {"n": i}) for i in range(100)]
+            )
+        async with sampler(dsn, narrow) as seen:
+            relay = RelayProcess(dsn, NATS_URL, "--concurrency", "64")
+            try:
+
+                async def others_done() -> bool:
+                    n = await conn.fetchval(
+                        "SELECT count(*) FROM outbox_events WHERE status = 'done'"
+                        " AND topic = ANY ($1::text[])",
+                        [narrow, free],
+                    )
+                    return bool(n == 200)
+
+                await wait_until(others_done, 60, "the relay to publish the open topics")
+                pending = await conn.fetchval(
+                    "SELECT count(*) FROM outbox_events WHERE topic = $1 AND status = 'pending'",
+                    held,
+                )
+                assert pending == 100, "the relay published a paused topic"
+                await admin.resume_topic(conn, held)
+
+                async def all_done() -> bool:
+                    n = await conn.fetchval(
+                        "SELECT count(*) FROM outbox_events WHERE status = 'done'"
+                    )
+                    return bool(n == 300)
+
+                await wait_until(all_done, 60, "the relay to publish the resumed topic")
+            finally:
+                assert await relay.stop() == 0
+        assert (await js.stream_info(stream)).state.messages == 300
+        assert 0 < max(seen) <= 2, max(seen)
+    finally:
+        await js.delete_stream(stream)
+        await nc.close()
