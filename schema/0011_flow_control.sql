@@ -4,12 +4,11 @@
 --
 -- Placeholders: schema, table and channel, in double braces (see 0001).
 --
--- Older code keeps working. `<table>_claim_v6` keeps its name, signature and results:
--- its body moves to `<table>_claim_open` and the name now belongs to a wrapper that
--- leaves out paused and limited topics before calling it, so consumers of schema 6 to
--- 8 already honour pauses and never take a limited topic (they leave it to consumers
--- of this release, which claim it through `<table>_claim_limited`). The wrapper reads
--- the controls through a SECURITY DEFINER function, so their roles need no new grant.
+-- Older code keeps working. `<table>_claim_v6` keeps its signature and results (its body
+-- is 0008's, plus what leaves out paused and limited topics), so consumers of schema 6
+-- to 8 already honour pauses and never take a limited topic (they leave it to consumers
+-- of this release, which claim it through `<table>_claim_limited`). It reads the
+-- controls through a SECURITY DEFINER function, so their roles need no new grant.
 -- Consumers of schema 2 to 5 (the `claim`, `claim_v3`, `claim_v5` functions) know
 -- nothing of flow control. CREATE INDEX here blocks writes to the outbox while it reads
 -- the table once (seconds per million rows); ALTER TABLE ADD COLUMN is instant.
@@ -80,12 +79,11 @@ BEGIN
 END
 $fn$;
 
-ALTER FUNCTION "{{schema}}"."{{table}}_claim_v6"(
-    TEXT, FLOAT8, TEXT[], INT, BIGINT, INT, INT, TIMESTAMPTZ, BIGINT)
-    RENAME TO "{{table}}_claim_open";
-
--- The claim every consumer of schema 6 and later calls: the open topics only.
-CREATE FUNCTION "{{schema}}"."{{table}}_claim_v6"(
+-- The claim every consumer of schema 6 and later calls, as in 0008 but for the topics
+-- held back (paused or limited), which it leaves out before it reads any row: from the
+-- topics it was given, from the topics its skip scan finds, and from the runs behind
+-- ordered heads.
+CREATE OR REPLACE FUNCTION "{{schema}}"."{{table}}_claim_v6"(
     p_worker TEXT, p_lease FLOAT8, p_topics TEXT[], p_limit INT, p_max_bytes BIGINT,
     p_run INT, p_run_rows INT, p_after_at TIMESTAMPTZ DEFAULT NULL, p_after_id BIGINT DEFAULT NULL)
 RETURNS TABLE (id BIGINT, topic TEXT, payload TEXT, dedupe_key TEXT, headers TEXT,
@@ -99,38 +97,138 @@ SET plan_cache_mode = force_generic_plan
 AS $fn$
 #variable_conflict use_column
 DECLARE
-    held TEXT[];
     topics TEXT[] := p_topics;
+    cand BIGINT[];
+    heads BIGINT[];
+    runs BIGINT[] := '{}';
+    after_at TIMESTAMPTZ := coalesce(p_after_at, '-infinity');
+    after_id BIGINT := coalesce(p_after_id, 0);
+    head_bytes BIGINT;
+    keyed BOOLEAN;  -- an ordered head was claimed: only then look for runs
+    held TEXT[];  -- topics paused or limited (flow control): never claimed here
 BEGIN
     PERFORM pg_catalog.pg_advisory_xact_lock_shared(
         pg_catalog.hashtextextended('aiooutbox-flow:{{schema}}.{{table}}', 0));
     -- a statement of its own: its snapshot is taken after the lock
     held := "{{schema}}"."{{table}}_flow_held"();
-    IF cardinality(held) > 0 THEN
-        IF '' = ANY (held) THEN
-            RETURN;
-        END IF;
-        IF topics IS NULL THEN
-            -- every topic with claimable rows but the held ones (a skip scan, as in 0006)
-            topics := ARRAY(
-                WITH RECURSIVE t(topic) AS (
-                    (SELECT c.topic FROM "{{schema}}"."{{table}}" c
-                     WHERE c.status IN ('pending', 'retry') ORDER BY c.topic LIMIT 1)
-                    UNION ALL
-                    SELECT (SELECT c.topic FROM "{{schema}}"."{{table}}" c
-                            WHERE c.status IN ('pending', 'retry') AND c.topic > t.topic
-                            ORDER BY c.topic LIMIT 1)
-                    FROM t WHERE t.topic IS NOT NULL)
-                SELECT t.topic FROM t WHERE t.topic IS NOT NULL AND NOT (t.topic = ANY (held)));
-        ELSE
-            topics := ARRAY(SELECT x FROM unnest(topics) AS u(x) WHERE NOT (x = ANY (held)));
-        END IF;
-        IF cardinality(topics) = 0 THEN
-            RETURN;
-        END IF;
+    IF '' = ANY (held) THEN
+        RETURN;  -- every topic is paused
     END IF;
-    RETURN QUERY SELECT * FROM "{{schema}}"."{{table}}_claim_open"(
-        p_worker, p_lease, topics, p_limit, p_max_bytes, p_run, p_run_rows, p_after_at, p_after_id);
+    IF topics IS NOT NULL AND cardinality(held) > 0 THEN
+        topics := ARRAY(SELECT x FROM unnest(topics) AS u(x) WHERE NOT (x = ANY (held)));
+    END IF;
+    IF topics IS NULL THEN
+        -- every topic with claimable rows: a skip scan over the index's leading column
+        topics := ARRAY(
+            WITH RECURSIVE t(topic) AS (
+                (SELECT c.topic FROM "{{schema}}"."{{table}}" c
+                 WHERE c.status IN ('pending', 'retry') ORDER BY c.topic LIMIT 1)
+                UNION ALL
+                SELECT (SELECT c.topic FROM "{{schema}}"."{{table}}" c
+                        WHERE c.status IN ('pending', 'retry') AND c.topic > t.topic
+                        ORDER BY c.topic LIMIT 1)
+                FROM t WHERE t.topic IS NOT NULL)
+            SELECT t.topic FROM t WHERE t.topic IS NOT NULL AND NOT (t.topic = ANY (held)));
+    END IF;
+    IF cardinality(topics) = 0 THEN
+        RETURN;
+    END IF;
+    IF cardinality(topics) = 1 THEN
+        -- one topic: lock while scanning, so concurrent consumers skip each other exactly
+        SELECT array_agg(w.id), max(w.before + w.size), bool_or(w.keyed)
+        INTO heads, head_bytes, keyed FROM (
+            SELECT s.id, s.size, s.keyed,
+                   sum(s.size) OVER (ORDER BY s.available_at, s.id) - s.size AS before
+            FROM (SELECT c.id, c.available_at, pg_column_size(c.payload) AS size,
+                         c.ordering_key IS NOT NULL AS keyed
+                  FROM "{{schema}}"."{{table}}" AS c
+                  WHERE c.status IN ('pending', 'retry') AND c.topic = topics[1]
+                    AND c.available_at <= now()
+                    AND (c.available_at, c.id) > (after_at, after_id)
+                  ORDER BY c.available_at, c.id LIMIT p_limit FOR UPDATE SKIP LOCKED) AS s
+        ) AS w WHERE w.before < p_max_bytes;
+    ELSE
+        -- several: the oldest rows of each topic, merged (twice the limit, so rows other
+        -- consumers lock meanwhile still leave enough), then locked in that order
+        cand := ARRAY(
+            SELECT x.id FROM unnest(topics) AS t(topic) CROSS JOIN LATERAL (
+                SELECT c.id, c.available_at FROM "{{schema}}"."{{table}}" AS c
+                WHERE c.status IN ('pending', 'retry') AND c.topic = t.topic
+                  AND c.available_at <= now()
+                  AND (c.available_at, c.id) > (after_at, after_id)
+                ORDER BY c.available_at, c.id LIMIT p_limit) AS x
+            ORDER BY x.available_at, x.id LIMIT 2 * p_limit);
+        SELECT array_agg(w.id), max(w.before + w.size), bool_or(w.keyed)
+        INTO heads, head_bytes, keyed FROM (
+            SELECT s.id, s.size, s.keyed,
+                   sum(s.size) OVER (ORDER BY s.available_at, s.id) - s.size AS before
+            FROM (SELECT c.id, c.available_at, pg_column_size(c.payload) AS size,
+                         c.ordering_key IS NOT NULL AS keyed
+                  FROM "{{schema}}"."{{table}}" AS c
+                  WHERE c.id = ANY (cand) AND c.status IN ('pending', 'retry')
+                    AND c.available_at <= now()
+                  ORDER BY c.available_at, c.id LIMIT p_limit FOR UPDATE SKIP LOCKED) AS s
+        ) AS w WHERE w.before < p_max_bytes;
+    END IF;
+    IF heads IS NULL THEN
+        RETURN;
+    END IF;
+    IF keyed AND p_run > 0 AND p_run_rows > 0 AND head_bytes < p_max_bytes THEN
+        runs := ARRAY(
+            SELECT q.id FROM (
+                SELECT r.id, sum(r.size) OVER (ORDER BY r.pos, k.h_at, k.h_id) AS upto
+                FROM (SELECT h.ordering_key AS k, h.available_at AS h_at, h.id AS h_id
+                      FROM "{{schema}}"."{{table}}" h
+                      WHERE h.id = ANY (heads) AND h.ordering_key IS NOT NULL) AS k
+                CROSS JOIN LATERAL (
+                    SELECT x.id, x.size, row_number() OVER (ORDER BY x.id) AS pos,
+                           bool_and(x.ok) OVER (ORDER BY x.id) AS ok
+                    FROM (SELECT w.id, pg_column_size(w.payload) AS size,
+                                 (w.available_at <= now()
+                                  AND ((p_topics IS NULL AND NOT (w.topic = ANY (held)))
+                                       OR w.topic = ANY (topics))) AS ok
+                          FROM "{{schema}}"."{{table}}" w
+                          WHERE w.ordering_key = k.k AND w.status = 'waiting'
+                          ORDER BY w.id LIMIT p_run) AS x) AS r
+                WHERE r.ok
+                ORDER BY r.pos, k.h_at, k.h_id
+                LIMIT p_run_rows) AS q
+            WHERE q.upto <= p_max_bytes - head_bytes);
+    END IF;
+    -- rows the byte cap left out were only locked: the locks end with the statement
+    IF cardinality(runs) = 0 THEN
+        -- heads only (every unordered claim): no per-row array membership tests
+        RETURN QUERY
+        UPDATE "{{schema}}"."{{table}}" AS e SET status = 'processing',
+            attempts = e.attempts + 1, locked_by = p_worker, locked_at = now(),
+            lease_expires_at = now() + make_interval(secs => p_lease), updated_at = now()
+        WHERE e.id = ANY (heads)
+    RETURNING e.id, e.topic, e.payload::text, e.dedupe_key, e.headers::text,
+              e.attempts, e.max_attempts,
+              least(greatest(e.created_at, '0001-01-01 00:00:00+00'), '9999-12-31 23:59:59+00'),
+              least(greatest(e.available_at, '0001-01-01 00:00:00+00'), '9999-12-31 23:59:59+00'),
+              coalesce(e.message_id, md5('aiooutbox:' || (SELECT d.oid FROM pg_catalog.pg_database d
+                  WHERE d.datname = pg_catalog.current_database()) || ':' || e.tableoid
+                  || ':' || e.id)::uuid)::text,
+              e.ordering_key, true;
+        RETURN;
+    END IF;
+    RETURN QUERY
+    UPDATE "{{schema}}"."{{table}}" AS e SET status = 'processing',
+        attempts = e.attempts + 1, locked_by = p_worker, locked_at = now(),
+        lease_expires_at = now() + make_interval(secs => p_lease), updated_at = now()
+    FROM (SELECT h.id, true AS head FROM unnest(heads) AS h(id)
+          UNION ALL
+          SELECT r.id, false FROM unnest(runs) AS r(id)) AS m
+    WHERE e.id = m.id AND (m.head OR e.status = 'waiting')
+    RETURNING e.id, e.topic, e.payload::text, e.dedupe_key, e.headers::text,
+              e.attempts, e.max_attempts,
+              least(greatest(e.created_at, '0001-01-01 00:00:00+00'), '9999-12-31 23:59:59+00'),
+              least(greatest(e.available_at, '0001-01-01 00:00:00+00'), '9999-12-31 23:59:59+00'),
+              coalesce(e.message_id, md5('aiooutbox:' || (SELECT d.oid FROM pg_catalog.pg_database d
+                  WHERE d.datname = pg_catalog.current_database()) || ':' || e.tableoid
+                  || ':' || e.id)::uuid)::text,
+              e.ordering_key, m.head;
 END
 $fn$;
 
