@@ -446,3 +446,35 @@ async def test_a_consumer_without_the_flow_grant_stops_at_start_with_the_fix(dsn
     finally:
         await owner.execute(f'DROP OWNED BY "{role}"; DROP ROLE IF EXISTS "{role}"')
         await owner.close()
+
+
+@pytest.mark.parametrize("control", ["max_running", "rate"])
+async def test_racing_limited_claims_never_exceed_the_limit(
+    dsn: str, conn: asyncpg.Connection, control: str
+) -> None:
+    """Twenty claimers start at the same instant, each asking for ten rows."""
+    if control == "max_running":
+        await admin.limit_topic(conn, "t", max_running=5)
+    else:
+        await admin.limit_topic(conn, "t", rate="1/h", burst=5)  # five tokens, then none
+    await enqueue(conn, "t", 300)
+    claimers = [await asyncpg.connect(dsn) for _ in range(20)]
+    try:
+        for c in claimers:  # prepared, so that the race is in the claims themselves
+            await c.fetch(FQ.claim_limited, "warm", 30.0, ["none"], [1], 1 << 30)
+        go = asyncio.Event()
+
+        async def claim(c: asyncpg.Connection, n: int) -> int:
+            await go.wait()
+            rows = await c.fetch(FQ.claim_limited, f"w{n}", 30.0, ["t"], [10], 1 << 30)
+            return sum(1 for r in rows if r["id"] is not None)
+
+        tasks = [asyncio.ensure_future(claim(c, n)) for n, c in enumerate(claimers)]
+        await asyncio.sleep(0.1)
+        go.set()
+        taken = await asyncio.gather(*tasks)
+    finally:
+        for c in claimers:
+            await c.close()
+    assert sum(taken) == 5, taken
+    assert await statuses(conn, "t") == {"processing": 5, "pending": 295}
