@@ -38,9 +38,6 @@ logger = logging.getLogger("aiooutbox.consumer")
 # After an empty claim, look again after these pauses before declaring idle, so that
 # under steady load a consumer never waits on NOTIFY (and producers never pay for it).
 _LINGER = (0.002, 0.004, 0.008, 0.016, 0.032)
-# a rate-limited topic whose next token comes within this many seconds is waited for
-# without going idle
-_SOON = 0.25
 # an idle consumer that sees another transaction holding the table's write lock looks
 # again after the first pause, doubling up to the second (see `_idle_timeout`)
 _RECHECK = (0.01, 1.0)
@@ -142,10 +139,6 @@ class Dispatcher:
         # a claim failed (its reply may have been lost), or we just started (a consumer
         # restarted under a fixed worker_id may have left rows behind)
         self._reconcile = True
-        # waiting for a rate-limited topic's tokens: the open topics had nothing at
-        # (wake-ups, time); they are claimed again after a wake-up or `_SOON` seconds
-        self._open_quiet: tuple[int, float] | None = None
-        self._open_found = 0  # rows the last claim of the open topics took
 
     @property
     def _listening(self) -> bool:
@@ -215,12 +208,8 @@ class Dispatcher:
                 continue
             if rows:
                 linger = 0
-            if self._flow.active and (soon := self._flow.rate_due(time.monotonic())) < _SOON:
-                # a rate-limited topic's next token is near: ask for it then, without
-                # the round trips of going idle (they would let the tokens pile up)
-                if not self._open_found and self._open_quiet is None:
-                    self._open_quiet = (signals.wakes, time.monotonic())
-                await _wait_for(signals.wake.wait(), soon)
+            if self._flow.active and (soon := self._flow.tokens_soon(signals.wakes)) is not None:
+                await _wait_for(signals.wake.wait(), soon)  # not idle: tokens would pile up
                 continue
             if linger < len(_LINGER) and self._arrivals.dense(time.monotonic()):
                 await _wait_for(signals.wake.wait(), _LINGER[linger])
@@ -282,10 +271,7 @@ class Dispatcher:
         flow = self._flow
         limited = flow.due(started) if flow.active else []
         topics = flow.open_topics()
-        quiet = self._open_quiet
-        claim_open = topics != [] and not (
-            quiet and quiet[0] == self._signals.wakes and started - quiet[1] < _SOON
-        )
+        claim_open = topics != [] and not flow.open_quiet(started, self._signals.wakes)
         if not (limited or claim_open):
             return []
         full = window.next_is_full(started)
@@ -302,7 +288,6 @@ class Dispatcher:
                     self._stats.claims += 1
                 rest = want - len(taken)
                 if claim_open and rest > 0:
-                    self._open_quiet = None
                     rows = await self._claim_open(conn, topics, rest, full)
                 ended = time.monotonic()
                 if self._observers:  # first: they say here whether they want these events
@@ -315,7 +300,7 @@ class Dispatcher:
                     self._hand_out(rows, handoff)
         if claim_open and rest > 0:
             self._stats.claims += 1
-            self._open_found = len(rows)
+            flow.opened(len(rows))
             window.claimed([r.available_at for r in rows], full=full, started=started, ended=ended)
         return taken + rows if taken else rows
 
@@ -395,8 +380,6 @@ class Dispatcher:
         if flow.active:
             timeout = min(timeout, flow.next_due(time.monotonic()))
         topics = flow.quiet_topics() if flow.active else self._topics
-        if topics is None and flow.active and flow.paused_all:
-            topics = []
         try:
             args: tuple[Any, ...] = () if topics is None else (topics,)
             sql = self._q.idle_probe_any if topics is None else self._q.idle_probe

@@ -35,7 +35,7 @@ from ._leases import Leases
 from ._options import ConsumerOptions
 from ._rows import ClaimedRow
 
-__all__ = ["EMPTY_RECHECK", "REFRESH", "RUNNING_RECHECK", "Flow"]
+__all__ = ["EMPTY_RECHECK", "REFRESH", "RUNNING_RECHECK", "TOKENS_SOON", "Flow"]
 
 logger = logging.getLogger("aiooutbox.consumer")
 
@@ -44,6 +44,9 @@ REFRESH = 1.0
 # a limited topic at its max_running: look again this often for a slot another
 # consumer freed (slots this consumer frees are seen at once)
 RUNNING_RECHECK = 0.1
+# a rate-limited topic whose next token comes within this many seconds is waited for
+# without going idle (its round trips would let the tokens pile up past the burst)
+TOKENS_SOON = 0.25
 # a limited topic that had nothing to claim: asked again after a wake-up, or after this
 # long (a busy consumer is not advertised as idle, so no notification comes for it)
 EMPTY_RECHECK = 0.25
@@ -98,6 +101,10 @@ class Flow:
         # is worth writing at once (read for every finished event)
         self.slot_wait = False
         self.more = False  # the last claim took all it asked of a limited topic
+        # waiting for tokens: the open topics had nothing at (wake-ups, time); they are
+        # claimed again after a wake-up or `TOKENS_SOON` seconds
+        self._open_quiet: tuple[int, float] | None = None
+        self._open_found = 0  # rows the last claim of the open topics took
         self._stale = anyio.Event()
 
     # -- reading the controls ----------------------------------------------------------
@@ -224,21 +231,37 @@ class Flow:
         ]
         return max(0.0, min(waits)) if waits else math.inf
 
-    def rate_due(self, now: float) -> float:
-        """Seconds until the next token of a rate-limited topic out of them (inf: none)."""
+    def tokens_soon(self, wakes: int) -> float | None:
+        """Seconds until the next token of a rate-limited topic out of them, if that is
+        within `TOKENS_SOON` (the open topics are then left alone until it or a wake-up)."""
+        now = time.monotonic()
         waits = [
             h.until - now
             for t, h in self._held.items()
-            if h.why == "rate"
-            and t in self._controls
-            and self._controls[t].limited
-            and self._scope(t)
+            if h.why == "rate" and t in self._controls and self._controls[t].limited
         ]
-        return max(0.0, min(waits)) if waits else math.inf
+        soon = max(0.0, min(waits)) if waits else math.inf
+        if soon >= TOKENS_SOON:
+            return None
+        if not self._open_found and self._open_quiet is None:
+            self._open_quiet = (wakes, now)
+        return soon
+
+    def open_quiet(self, now: float, wakes: int) -> bool:
+        """Whether to leave the open topics out of this claim (see `tokens_soon`)."""
+        quiet = self._open_quiet
+        return quiet is not None and quiet[0] == wakes and now - quiet[1] < TOKENS_SOON
+
+    def opened(self, rows: int) -> None:
+        """The open topics were claimed: ``rows`` came."""
+        self._open_quiet = None
+        self._open_found = rows
 
     def quiet_topics(self) -> list[str] | None:
         """Topics whose due rows should cut an idle wait short: the open ones and the
         limited ones waiting for rows (None: every topic but `held_back`)."""
+        if self.paused_all:
+            return []
         if self._topics is None:
             return None
         return [t for t in self._topics if t not in self.held_back()]
