@@ -478,3 +478,35 @@ async def test_racing_limited_claims_never_exceed_the_limit(
             await c.close()
     assert sum(taken) == 5, taken
     assert await statuses(conn, "t") == {"processing": 5, "pending": 295}
+
+
+async def test_metrics_show_paused_topics_and_limits(pool: asyncpg.Pool) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from aiooutbox.metrics import MetricsServer, OutboxMetrics
+    from tests.test_metrics import http_get, samples, value
+
+    registry = CollectorRegistry()
+    metrics = OutboxMetrics(registry)
+    await admin.pause_topic(pool, "held")
+    await admin.limit_topic(pool, "narrow", max_running=3, rate="2/min")
+    async with (
+        MetricsServer(registry, port=0) as server,
+        metrics.queue_gauges(pool, interval=0.05) as gauges,
+    ):
+        found = samples((await http_get(server.port, "/metrics"))[1])
+        assert value(found, "aiooutbox_topic_paused", topic="held") == 1
+        assert value(found, "aiooutbox_topic_paused", topic="narrow") is None
+        assert value(found, "aiooutbox_topic_max_running", topic="narrow") == 3
+        assert value(found, "aiooutbox_topic_rate_limit", topic="narrow") == pytest.approx(1 / 30)
+        await admin.pause_all(pool)
+        refreshes = gauges.refreshes
+
+        async def everything_paused() -> bool:
+            now = samples((await http_get(server.port, "/metrics"))[1])
+            return (
+                gauges.refreshes > refreshes
+                and value(now, "aiooutbox_topic_paused", topic="*") == 1
+            )
+
+        await wait_until(everything_paused, timeout=10)
