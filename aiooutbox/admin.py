@@ -1,4 +1,4 @@
-"""Operator tools as plain async functions: statistics, dead letters, purging.
+"""Operator tools as plain async functions: statistics, dead letters, purging, flow control.
 
 ``python -m aiooutbox stats``, ``dead ...`` and ``purge`` print what these return;
 applications and scripts can call them on an asyncpg connection or pool::
@@ -9,6 +9,8 @@ applications and scripts can call them on an asyncpg connection or pool::
     if report.lag and report.lag > 60:
         alert(f"outbox lag {report.lag:.0f}s, {report.dead} dead")
     await admin.dead_retry(pool, topic="emails.send")
+    await admin.pause_topic(pool, "payments.charge")
+    await admin.limit_topic(pool, "payments.charge", max_running=5, rate="50/s")
 
 `stats` counts every row (a sequential scan): cheap for a queue that purges finished
 rows, slower on a table that keeps millions. Nothing here runs inside a consumer.
@@ -27,11 +29,27 @@ from typing import Any
 
 import asyncpg
 
+from ._admin.flow import (
+    KEEP,
+    flow_history,
+    limit_topic,
+    parse_rate,
+    pause_all,
+    pause_topic,
+    resume_all,
+    resume_topic,
+    topic_controls,
+    topic_info,
+    topics,
+)
 from ._admin.records import (
     STATUSES,
     BlockedKey,
     DeadEvent,
+    FlowChange,
     OutboxStats,
+    TopicControl,
+    TopicInfo,
     TopicStats,
     UnconsumedTopic,
     WorkerStats,
@@ -44,10 +62,14 @@ from ._values.limits import check_count, check_seconds
 from .errors import InvalidArgument
 
 __all__ = [
+    "KEEP",
     "STATUSES",
     "BlockedKey",
     "DeadEvent",
+    "FlowChange",
     "OutboxStats",
+    "TopicControl",
+    "TopicInfo",
     "TopicStats",
     "UnconsumedTopic",
     "WorkerStats",
@@ -56,10 +78,20 @@ __all__ = [
     "dead_retry",
     "delete_dead",
     "event_statuses",
+    "flow_history",
+    "limit_topic",
     "parse_duration",
+    "parse_rate",
+    "pause_all",
+    "pause_topic",
     "purge",
     "requeue_dead",
+    "resume_all",
+    "resume_topic",
     "stats",
+    "topic_controls",
+    "topic_info",
+    "topics",
     "unconsumed_topics",
 ]
 
@@ -150,6 +182,10 @@ async def stats(
         unconsumed = await unconsumed_topics(conn, schema=schema, table=table)
         mvcc = await inspect_mvcc(conn, q)
         blocked = [BlockedKey(*r) for r in await conn.fetch(a.blocked_keys, _BLOCKED_SHOWN)]
+        controls = await topic_controls(conn, schema=schema, table=table)
+    held = {c.topic for c in controls if c.paused}
+    # a paused topic waits by design ("": every topic is paused)
+    unconsumed = [] if "" in held else [u for u in unconsumed if u.topic not in held]
     by_topic: dict[str, dict[str, int]] = {}
     for topic, status, count in counts:
         by_topic.setdefault(topic, dict.fromkeys(STATUSES, 0))[status] = count
@@ -160,6 +196,7 @@ async def stats(
         unconsumed=unconsumed,
         mvcc=mvcc,
         blocked_keys=blocked,
+        controls=controls,
     )
 
 

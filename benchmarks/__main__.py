@@ -2,8 +2,9 @@
 
 Creates its own databases on that server (``<prefix>aiooutbox``, ``<prefix>pgqueuer``,
 ``<prefix>aiooutbox_history``; ordering and isolation add ``<prefix>aiooutbox_blocked`` and
-``<prefix>aiooutbox_backlog``), runs the scenarios and writes results.json, results.md
-and PNG plots to ``--out``. The DSN needs the right to CREATE DATABASE.
+``<prefix>aiooutbox_backlog``, flow control ``<prefix>aiooutbox_flow``), runs the scenarios
+and writes results.json, results.md and PNG plots to ``--out``. The DSN needs the right to
+CREATE DATABASE.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ SCENARIOS = (
     "observe",
     "ordering",
     "isolation",
+    "flow",
     "relay",
     "dashboard",  # only with --only: it builds a 10M-row database (minutes)
 )
@@ -60,8 +62,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--backlog",
         type=int,
         metavar="N",
-        help="size of the blocked key's and the unconsumed topic's backlogs in the "
-        "ordering and isolation scenarios (default 1000000, --quick 50000)",
+        help="size of the blocked key's, the unconsumed topic's and the held topic's "
+        "backlogs in the ordering, isolation and flow scenarios (default 1000000, "
+        "--quick 50000)",
     )
     parser.add_argument(
         "--steady-fractions",
@@ -126,7 +129,7 @@ def config_from(args: argparse.Namespace) -> Config:
     if args.no_tune:
         config.tune = False
     if args.backlog is not None:
-        config.blocked_backlog = config.isolation_backlog = args.backlog
+        config.blocked_backlog = config.isolation_backlog = config.flow_backlog = args.backlog
     config.steady_max = args.steady_max
     if args.steady_fractions is not None:
         config.steady_fractions = args.steady_fractions

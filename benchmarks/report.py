@@ -209,6 +209,24 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                     lat["p99"] / theirs["p99"] if theirs["p99"] else None,
                     lat["p99"] <= theirs["p99"],
                 )
+    flowed = results.get("flow")
+    if flowed:
+        size, backlog = f"{flowed['size']:,}", f"{flowed['backlog']:,}"
+        for key, what, floor in (
+            ("paused_vs_none", f"drain {size} of A beside {backlog} of a paused topic / none", 0.9),
+            (
+                "at_limit_vs_none",
+                f"drain {size} of A beside {backlog} of a topic at its max_running / none",
+                0.9,
+            ),
+            (
+                "limits_vs_none",
+                f"drain {size} over 4 topics, 2 with limits that do not bind / no limits",
+                0.95,
+            ),
+        ):
+            r = _num(flowed["ratios"].get(key))
+            add(what, f">= {floor}", r, None if r is None else r >= floor)
     rss = results.get("rss", {}).get(AIO)
     if rss:
         add(

@@ -16,7 +16,9 @@ systems; every consumer runs in its own child process.
    no-op exporter; every event sampled, or one in ten) vs off, and with opentelemetry-api
    but no SDK vs OpenTelemetry not importable; events carry a ``traceparent`` header in
    every variant; rates and consumer CPU per event;
-9. ordered delivery and topic isolation (benchmarks/ordering_isolation.py).
+9. ordered delivery and topic isolation (benchmarks/ordering_isolation.py);
+10. flow control: fairness beside a paused or limited backlog, and the cost of limits
+    that do not bind (benchmarks/flow.py).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import asyncpg
 
 from aiooutbox import OutboxError
 
-from . import aiooutbox_runner, dashboard, ordering_isolation, pgqueuer_runner
+from . import aiooutbox_runner, dashboard, flow, ordering_isolation, pgqueuer_runner
 from .common import BackendCpu, child_process, free_connections, median, ratio, summarize_ms
 
 AIO = aiooutbox_runner.NAME
@@ -125,6 +127,10 @@ class Config:
     multi_processes: int = 4
     multi_size: int = 50_000
     multi_rounds: int = 3
+    # flow control (issue 26): beside a paused / limited backlog; limits not binding
+    flow_backlog: int = 1_000_000
+    flow_size: int = 20_000
+    flow_rounds: int = 5
     light_rates: list[float] = field(default_factory=lambda: [50.0, 5.0])
     light_seconds: float = 20.0
     sample_interval: float = 0.5
@@ -142,6 +148,7 @@ class Config:
             "observe",
             "ordering",
             "isolation",
+            "flow",
         ]
     )
     # the relay scenario (benchmarks/relay.py; needs the machine's NATS and RabbitMQ)
@@ -198,6 +205,9 @@ class Config:
             isolation_topic_rounds=2,
             multi_size=10_000,
             multi_rounds=1,
+            flow_backlog=50_000,
+            flow_size=5_000,
+            flow_rounds=1,
             light_seconds=4.0,
             sample_interval=0.2,
         )
@@ -363,6 +373,7 @@ class Bench:
                 "dashboard": functools.partial(dashboard.run, self),
                 "ordering": functools.partial(ordering_isolation.ordering, self),
                 "isolation": functools.partial(ordering_isolation.isolation, self),
+                "flow": functools.partial(flow.flow, self),
             }
             for name in scenarios:
                 await steps[name]()

@@ -311,6 +311,29 @@ async def test_ordering_and_isolation_scenarios_run_at_tiny_sizes(
     assert "## Ordered delivery and topic isolation" in paths["markdown"].read_text()
 
 
+@pytest.mark.slow  # benchmark child processes
+async def test_flow_scenario_runs_at_tiny_sizes(pg_server: str, tmp_path: Path) -> None:
+    config = Config(
+        scenarios=["flow"], tune=False, flow_backlog=2_000, flow_size=300, flow_rounds=1
+    )
+    bench = Bench(pg_server, config, prefix=f"bsmoke_{uuid.uuid4().hex[:8]}_", log=lambda _: None)
+    try:
+        results = await bench.run()
+    finally:
+        await bench.cleanup()
+    paths = report.write(results, tmp_path, plots=False)
+    loaded = json.loads(paths["json"].read_text())
+    flow = loaded["flow"]
+    assert {r["variant"] for r in flow["runs"]} == {"none", "paused", "at_limit"}
+    assert {r["variant"] for r in flow["cost_runs"]} == {"no_limits", "limits"}
+    for run in flow["runs"] + flow["cost_runs"]:
+        assert "error" not in run and run["finished"] == run["size"] == 300, run
+    assert all(positive(r) for r in flow["ratios"].values()), flow["ratios"]
+    whats = " ".join(t["what"] for t in loaded["targets"])
+    for needle in ("of a paused topic", "at its max_running", "limits that do not bind"):
+        assert needle in whats, needle
+
+
 def test_cli_parses_the_documented_command() -> None:
     args = parse(["--dsn", "postgresql://postgres@127.0.0.1:5432/postgres", "--quick"])
     assert args.quick and not args.full and args.out == Path("benchmarks/results")

@@ -430,7 +430,7 @@ async def test_a_revoked_grant_stops_the_consumer_with_the_fix(dsn: str) -> None
             f' GRANT SELECT, UPDATE, DELETE ON outbox_events TO "{role}";'
             f' GRANT SELECT, INSERT, UPDATE, DELETE ON outbox_events_idle TO "{role}";'
             f" GRANT SELECT ON outbox_events_migrations, outbox_events_migrations_compat"
-            f' TO "{role}"'
+            f' TO "{role}"; GRANT SELECT, UPDATE ON outbox_events_flow TO "{role}"'
         )
         parts = urlsplit(dsn)
         user_dsn = urlunsplit(parts._replace(netloc=f"{role}@{parts.netloc.rpartition('@')[2]}"))

@@ -16,7 +16,10 @@ __all__ = [
     "STATUSES",
     "BlockedKey",
     "DeadEvent",
+    "FlowChange",
     "OutboxStats",
+    "TopicControl",
+    "TopicInfo",
     "TopicStats",
     "UnconsumedTopic",
     "WorkerStats",
@@ -91,6 +94,101 @@ class BlockedKey:
 
 
 @dataclass(frozen=True)
+class TopicControl:
+    """A topic's flow controls (``topic == ""``: the pause of every topic).
+
+    ``rate`` is in events per second, ``rate_text`` as it was given (``"10/min"``);
+    ``burst`` is how many events may be claimed at once after a quiet spell.
+    """
+
+    topic: str
+    paused: bool = False
+    max_running: int | None = None
+    rate: float | None = None
+    rate_text: str | None = None
+    burst: float | None = None
+    updated_at: datetime | None = None
+    updated_by: str | None = None
+
+    @property
+    def limited(self) -> bool:
+        return self.max_running is not None or self.rate is not None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "topic": self.topic,
+            "paused": self.paused,
+            "max_running": self.max_running,
+            "rate": self.rate_text,
+            "burst": self.burst,
+            "updated_at": self.updated_at.isoformat() if self.updated_at else None,
+            "updated_by": self.updated_by,
+        }
+
+
+@dataclass(frozen=True)
+class TopicInfo:
+    """One topic as ``python -m aiooutbox topics`` lists it.
+
+    ``queued`` events are pending or retry (``due`` of them claimable now), ``waiting``
+    ones are ordered behind their key's head, ``running`` ones are claimed. ``lag`` is
+    how long the oldest due event has waited (``None``: none is due). ``paused`` is
+    true when the topic or every topic is paused.
+    """
+
+    topic: str
+    queued: int
+    due: int
+    waiting: int
+    running: int
+    lag: float | None
+    paused: bool
+    control: TopicControl
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "topic": self.topic,
+            "queued": self.queued,
+            "due": self.due,
+            "waiting": self.waiting,
+            "running": self.running,
+            "lag_seconds": self.lag,
+            "paused": self.paused,
+            "max_running": self.control.max_running,
+            "rate": self.control.rate_text,
+            "burst": self.control.burst,
+            "updated_at": (
+                self.control.updated_at.isoformat() if self.control.updated_at else None
+            ),
+            "updated_by": self.control.updated_by,
+        }
+
+
+@dataclass(frozen=True)
+class FlowChange:
+    """One logged change of a topic's controls: who, when, what before and after."""
+
+    id: int
+    at: datetime
+    actor: str
+    topic: str
+    action: str
+    before: dict[str, Any] | None
+    after: dict[str, Any] | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "at": self.at.isoformat(),
+            "actor": self.actor,
+            "topic": self.topic,
+            "action": self.action,
+            "before": self.before,
+            "after": self.after,
+        }
+
+
+@dataclass(frozen=True)
 class OutboxStats:
     """A snapshot of one outbox table, as ``python -m aiooutbox stats`` shows it."""
 
@@ -101,6 +199,15 @@ class OutboxStats:
     # the xmin horizon's holders and the table's dead tuples (the MVCC watchdog's view)
     mvcc: MvccReport | None = None
     blocked_keys: list[BlockedKey] = field(default_factory=list)
+    # topics paused or limited (the topic "" is the pause of every topic)
+    controls: list[TopicControl] = field(default_factory=list)
+
+    @property
+    def paused(self) -> list[str]:
+        """Paused topics; ``["*"]`` when every topic is paused."""
+        if any(c.topic == "" and c.paused for c in self.controls):
+            return ["*"]
+        return [c.topic for c in self.controls if c.paused]
 
     @property
     def totals(self) -> dict[str, int]:
@@ -135,6 +242,12 @@ class OutboxStats:
             ],
             "mvcc": None if self.mvcc is None else self.mvcc.as_dict(),
             "blocked_keys": [b.as_dict() for b in self.blocked_keys],
+            "paused": self.paused,
+            "limits": {
+                c.topic: {"max_running": c.max_running, "rate": c.rate_text, "burst": c.burst}
+                for c in self.controls
+                if c.limited
+            },
         }
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 import asyncpg
 
+from .._engine.flow import Flow
 from .._sql.db import TRANSIENT_ERRORS, bounded, check_permanent, pool_is_closed, pooled
 from .._values.text import exception_message, exception_summary
 from ..errors import OutboxError
@@ -77,16 +78,18 @@ class Signals:
 
     def __init__(self) -> None:
         self.wake = anyio.Event()  # a notification, a recovery, a stop, a retry written
+        self.wakes = 0  # how many times `wake` was set (flow control's limited topics)
         self.slot_freed = anyio.Event()  # a handler finished
         self.stop = anyio.Event()
 
     def set_wake(self) -> None:
+        self.wakes += 1
         self.wake.set()
 
     def retry_written(self, _due_in: float) -> None:
         """A retry was written: an UPDATE notifies no one, so look again (the idle wait
         is then cut to when it becomes due)."""
-        self.wake.set()
+        self.set_wake()
 
     def set_slot_freed(self) -> None:
         self.slot_freed.set()
@@ -116,8 +119,10 @@ class Dispatcher:
         listener: Listener | None,
         is_stopping: Callable[[], bool],
         observers: Observers,
+        flow: Flow,
     ) -> None:
         self._pool = pool
+        self._flow = flow
         self._observers = observers
         self._o = options
         self._q = options.queries
@@ -146,6 +151,7 @@ class Dispatcher:
         idle = False
         advertised_on = -1  # the listener connection (reconnect count) idle was declared on
         advertised_at = -math.inf  # when the idle advertisement was last written
+        advertised_flow = self._flow.version  # the flow controls it was written under
         full = False
         refill = max(1, o.claim_size // 4)
         while not self._is_stopping():
@@ -194,11 +200,17 @@ class Dispatcher:
                 await self._declare(busy=True)
             # full: the heads (runs ride along beyond them) took every row asked for
             full = sum(r.is_head for r in rows) >= min(want, self.window.size)
+            if self._flow.more:  # a limited topic gave all its share: it may have more
+                self._flow.more = False
+                full = True
             if full:
                 linger = 0
                 continue
             if rows:
                 linger = 0
+            if self._flow.active and (soon := self._flow.tokens_soon(signals.wakes)) is not None:
+                await _wait_for(signals.wake.wait(), soon)  # not idle: tokens would pile up
+                continue
             if linger < len(_LINGER) and self._arrivals.dense(time.monotonic()):
                 await _wait_for(signals.wake.wait(), _LINGER[linger])
                 linger += 1
@@ -214,13 +226,19 @@ class Dispatcher:
             if o.listen and not idle and self._listening:
                 # advertise, then look once more: an insert that committed before the
                 # advertisement saw no idle consumer and sent no notification
+                advertised_flow = self._flow.version
                 idle = await self._declare(busy=False)
                 if idle:
                     advertised_on = listener.reconnects if listener is not None else -1
                     advertised_at = time.monotonic()
                     continue
-            elif idle and time.monotonic() - advertised_at > o.poll_interval / 2:
-                # refresh it well before it expires (it lives 2 x poll_interval + 5 s)
+            elif idle and (
+                time.monotonic() - advertised_at > o.poll_interval / 2
+                or advertised_flow != self._flow.version
+            ):
+                # refresh it well before it expires (it lives 2 x poll_interval + 5 s),
+                # and when a pause changed the topics it names
+                advertised_flow = self._flow.version
                 idle = await self._declare(busy=False)
                 advertised_at = time.monotonic()
             await _wait_for(signals.wake.wait(), await self._idle_timeout(idle))
@@ -243,15 +261,56 @@ class Dispatcher:
         logger.warning("claim failed (%s); retrying in %.2fs", exception_summary(exc), backoff)
 
     async def _claim(self, want: int, handoff: Handoff[list[ClaimedRow]]) -> list[ClaimedRow]:
-        """Claim up to ``want`` rows and hand them to the workers; return them."""
+        """Claim up to ``want`` rows and hand them to the workers; return them.
+
+        Limited topics (flow control) first, each on its share of ``want``, then the
+        open topics on what is left, on one connection."""
         window = self.window
         started = time.monotonic()
-        full = window.next_is_full(started)
         want = min(want, window.size)
+        flow = self._flow
+        limited = flow.due(started) if flow.active else []
+        topics = flow.open_topics()
+        claim_open = topics != [] and not flow.open_quiet(started, self._signals.wakes)
+        if not (limited or claim_open):
+            return []
+        full = window.next_is_full(started)
+        taken: list[ClaimedRow] = []
+        rows: list[ClaimedRow] = []
+        # shielded: a claim the server committed is always read and handed out, so a
+        # fast stop during a claim releases its rows instead of stranding them for a
+        # lease (the wait is bounded by the acquire and statement timeouts)
+        with anyio.CancelScope(shield=True):
+            async with pooled(self._pool, self._o.statement_timeout) as conn:
+                if limited:
+                    share = -(-want // (len(limited) + claim_open))
+                    taken = await flow.claim(conn, limited, share)
+                    self._stats.claims += 1
+                rest = want - len(taken)
+                if claim_open and rest > 0:
+                    rows = await self._claim_open(conn, topics, rest, full)
+                ended = time.monotonic()
+                if self._observers:  # first: they say here whether they want these events
+                    self._observers.claimed(len(taken) + len(rows), ended - started)
+                # before the release: returning a connection to the pool resets it, a
+                # round trip the handlers need not wait for
+                if taken:
+                    self._hand_out(taken, handoff, first=True)
+                if rows:
+                    self._hand_out(rows, handoff)
+        if claim_open and rest > 0:
+            self._stats.claims += 1
+            flow.opened(len(rows))
+            window.claimed([r.available_at for r in rows], full=full, started=started, ended=ended)
+        return taken + rows if taken else rows
+
+    async def _claim_open(
+        self, conn: asyncpg.Connection, topics: list[str] | None, want: int, full: bool
+    ) -> list[ClaimedRow]:
         args: tuple[Any, ...] = (
             self._o.worker_id,
             self._o.lease_timeout,
-            self._topics,
+            topics,
             want,
             self._o.max_claim_bytes,
             # an ordered key's events behind its head, run in order by one worker
@@ -262,26 +321,11 @@ class Dispatcher:
         )
         sql = self._q.claim
         if not full:
-            assert window.watermark is not None
+            assert self.window.watermark is not None
             sql = self._q.claim_after
-            args += window.watermark
-        # shielded: a claim the server committed is always read and handed out, so a
-        # fast stop during a claim releases its rows instead of stranding them for a
-        # lease (the wait is bounded by the acquire and statement timeouts)
-        with anyio.CancelScope(shield=True):
-            async with pooled(self._pool, self._o.statement_timeout) as conn:
-                records = await conn.fetch(sql, *args, timeout=self._o.statement_timeout)
-                rows = [ClaimedRow.from_record(r) for r in records]
-                ended = time.monotonic()
-                if self._observers:  # first: they say here whether they want these events
-                    self._observers.claimed(len(rows), ended - started)
-                # before the release: returning a connection to the pool resets it, a
-                # round trip the handlers need not wait for
-                if rows:
-                    self._hand_out(rows, handoff)
-        self._stats.claims += 1
-        window.claimed([r.available_at for r in rows], full=full, started=started, ended=ended)
-        return rows
+            args += self.window.watermark
+        records = await conn.fetch(sql, *args, timeout=self._o.statement_timeout)
+        return [ClaimedRow.from_record(r) for r in records]
 
     async def take_back_orphans(self, why: str) -> None:
         """Release rows that carry our worker id but that we do not hold.
@@ -311,12 +355,20 @@ class Dispatcher:
                 extra={"event_ids": [r[0] for r in released][:1000]},
             )
 
-    def _hand_out(self, rows: list[ClaimedRow], handoff: Handoff[list[ClaimedRow]]) -> None:
+    def _hand_out(
+        self, rows: list[ClaimedRow], handoff: Handoff[list[ClaimedRow]], *, first: bool = False
+    ) -> None:
+        """Record and hand out claimed rows; ``first``: ahead of rows claimed earlier (a
+        limited topic's rows count against its limit until they run)."""
         now = time.monotonic()
         self._arrivals.add(now, len(rows))
         self._stats.claimed += len(rows)
         self._stats.in_flight += len(rows)
         self._leases.hold_all(rows, now)
+        if first:
+            for run in reversed(runs_of(rows)):
+                handoff.put_first(run)
+            return
         for run in runs_of(rows):
             handoff.put(run)
 
@@ -324,9 +376,15 @@ class Dispatcher:
         """Jittered poll interval, shortened to when the next delayed event becomes due,
         and while a transaction that may hold an un-notified insert is still open."""
         timeout = self._o.poll_interval * random.uniform(0.8, 1.2)
+        flow = self._flow
+        if flow.active:
+            timeout = min(timeout, flow.next_due(time.monotonic()))
+        topics = flow.quiet_topics() if flow.active else self._topics
         try:
-            args: tuple[Any, ...] = () if self._topics is None else (self._topics,)
-            sql = self._q.idle_probe_any if self._topics is None else self._q.idle_probe
+            args: tuple[Any, ...] = () if topics is None else (topics,)
+            sql = self._q.idle_probe_any if topics is None else self._q.idle_probe
+            if topics is None and (held := flow.held_back()):
+                sql, args = flow.queries.idle_probe_except, (held,)
             probe = await bounded(
                 self._pool, "fetchrow", sql, *args, timeout=self._o.statement_timeout
             )
@@ -350,7 +408,7 @@ class Dispatcher:
     async def _declare(self, *, busy: bool) -> bool:
         """Advertise this consumer as idle (or withdraw it); return whether it is idle."""
         try:
-            await declare(self._pool, self._o, self._topics, busy=busy)
+            await declare(self._pool, self._o, self._flow.advertised(), busy=busy)
         except TRANSIENT_ERRORS as exc:
             check_permanent(exc, "advertising idleness")
             logger.debug("idle advertisement failed: %s", exception_message(exc))

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import anyio
 import asyncpg
 
+from .._engine.flow import Flow
 from .._sql.db import TRANSIENT_ERRORS
 from .._values.text import exception_summary
 from ..handlers import Handler
@@ -75,6 +76,7 @@ class Engine:
         self.listener: Listener | None = None
         self.settler: Settler | None = None
         self.watchdog: Watchdog | None = None
+        self.flow: Flow | None = None
         self.workers_scope: anyio.CancelScope | None = None
         self.startup_scope: anyio.CancelScope | None = None
 
@@ -99,6 +101,7 @@ class Engine:
             statement_timeout=o.statement_timeout,
             on_promoted=signals.set_wake,  # the key's next event may be ours to claim
             on_retry_due=signals.retry_written,
+            on_written=lambda: written(),
         )
         logger.info(
             "consumer %s starting: topics=%s concurrency=%d",
@@ -107,6 +110,25 @@ class Engine:
             o.concurrency,
             extra={"worker_id": o.worker_id, "topics": topics},
         )
+        flow = self.flow = Flow(
+            self._pool,
+            o,
+            topics,
+            self._leases,
+            unsettled=settler.unsettled_ids,
+            wakes=lambda: signals.wakes,
+            on_change=signals.set_wake,
+        )
+
+        def written() -> None:
+            if flow.waiting_for_slot():  # a limited topic may claim again (even when idle)
+                signals.set_wake()
+
+        def finished() -> None:
+            signals.set_slot_freed()
+            if flow.slot_wait:  # a limited topic's slot frees once the outcome is written
+                settler.hurry()
+
         async with anyio.create_task_group() as services:
             if o.listen:
                 self.listener = Listener(
@@ -119,6 +141,7 @@ class Engine:
                     timeout=o.statement_timeout,
                     worker_id=o.worker_id,
                     probe_interval=o.listen_probe_interval,
+                    on_flow=flow.notice,
                 )
                 # a stop() during the first connect must not wait for its timeout
                 with anyio.CancelScope() as self.startup_scope:
@@ -126,6 +149,7 @@ class Engine:
                         self.startup_scope.cancel()
                     await services.start(self.listener.run)
                 self.startup_scope = None
+            await services.start(flow.run)
             self._started.set()
             services.start_soon(settler.run)
             maintenance = Maintenance(
@@ -157,7 +181,7 @@ class Engine:
                 is_hurried=lambda: (
                     self.workers_scope is not None and self.workers_scope.cancel_called
                 ),
-                on_finished=signals.set_slot_freed,
+                on_finished=finished,
                 on_fatal=self._on_fatal,
                 observers=self._observers,
             )
@@ -172,6 +196,7 @@ class Engine:
                 listener=self.listener,
                 is_stopping=self._is_stopping,
                 observers=self._observers,
+                flow=flow,
             )
             handoff: Handoff[list[ClaimedRow]] = Handoff()
             try:

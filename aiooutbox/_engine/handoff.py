@@ -28,6 +28,11 @@ class Handoff(Generic[T]):
         self._items.append(item)
         self._wake_one()
 
+    def put_first(self, item: T) -> None:
+        """Queue ``item`` ahead of every item waiting."""
+        self._items.appendleft(item)
+        self._wake_one()
+
     def close(self) -> None:
         """No more items: waiting workers return ``None`` once the queue is empty."""
         self._closed = True

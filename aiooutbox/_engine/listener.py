@@ -30,6 +30,7 @@ import asyncpg
 from anyio.abc import TaskStatus
 
 from .._sql.db import TRANSIENT_ERRORS, bounded, check_permanent
+from .._sql.flow import FLOW_NOTICE
 from .._values.text import exception_summary
 
 __all__ = ["PROBE_PREFIX", "Listener", "is_probe"]
@@ -65,11 +66,13 @@ class Listener:
         timeout: float,
         worker_id: str = "",
         probe_interval: float | None = None,
+        on_flow: Callable[[], None] | None = None,
     ) -> None:
         self._pool = pool
         self._channel = channel
         self._topics = None if topics is None else frozenset(topics)  # None: every topic
         self._on_wake = on_wake
+        self._on_flow = on_flow  # the flow controls changed (`FLOW_NOTICE`)
         self._dsn = dsn
         self._keepalive = keepalive
         self._timeout = timeout
@@ -94,6 +97,10 @@ class Listener:
         return await asyncpg.connect(*args, **kwargs)
 
     def _notified(self, _conn: object, _pid: int, _channel: str, topic: str) -> None:
+        if topic == FLOW_NOTICE:
+            if self._on_flow is not None:
+                self._on_flow()
+            return
         if is_probe(topic):
             if topic == self._probe_waiting:
                 self._probe_heard.set()
@@ -145,6 +152,8 @@ class Listener:
                     started = True
                     task_status.started()
                 delay = 0.1
+                if self._on_flow is not None:  # a change may have been announced meanwhile
+                    self._on_flow()
                 self._on_wake()
                 if await self._watch(conn, lost):
                     logger.warning("listener connection lost; reconnecting")

@@ -63,6 +63,7 @@ class Settler:
         statement_timeout: float,
         on_promoted: Callable[[], None] = lambda: None,
         on_retry_due: Callable[[float], None] = lambda _: None,
+        on_written: Callable[[], None] = lambda: None,
     ) -> None:
         self._pool = pool
         self._q = queries
@@ -78,6 +79,8 @@ class Settler:
         self._writing = _Batch()  # the batch a flush is writing now
         self._on_promoted = on_promoted
         self._on_retry_due = on_retry_due
+        self._on_written = on_written  # a flush wrote its outcomes (flow control's slots)
+        self._hurry = False  # flush without waiting for more outcomes to join
         self._promote_later: set[str] = set()  # keys a producer held locked (see 0005)
         self._promoting: set[str] = set()
         self.promoted = 0  # waiting ordered events promoted to their key's head
@@ -101,6 +104,11 @@ class Settler:
         if self._pending.size == 1 or self._pending.size >= self._flush_size:
             self._has_work.set()
 
+    def hurry(self) -> None:
+        """Write what is recorded now: a limited topic waits for its slot (flow control)."""
+        self._hurry = True
+        self._has_work.set()
+
     @property
     def backlog(self) -> int:
         """Outcomes not yet written: waiting for a flush, or in the write under way."""
@@ -121,12 +129,13 @@ class Settler:
             with anyio.move_on_after(_PROMOTE_RETRY if self._promote_later else math.inf):
                 await self._has_work.wait()
             self._has_work = anyio.Event()
-            if self._pending.size < self._flush_size:
+            if self._pending.size < self._flush_size and not self._hurry:
                 # let a few more outcomes join this batch
                 with anyio.move_on_after(self._flush_interval):
                     while self._pending.size < self._flush_size:
                         await self._has_work.wait()
                         self._has_work = anyio.Event()
+            self._hurry = False
             async with self._flush_lock:
                 await self._flush_locked()
 
@@ -186,6 +195,7 @@ class Settler:
                 delay = min(delay * 2, 5.0)
             else:
                 self._writing = _Batch()
+                self._on_written()
         flushed, self._flushed = self._flushed, anyio.Event()
         flushed.set()
 

@@ -334,6 +334,21 @@ class QueueCollector(Collector):
             "Unix time of the last successful refresh of the queue gauges.",
             labels=_labels(named, []),
         )
+        paused = GaugeMetricFamily(
+            "aiooutbox_topic_paused",
+            '1 for each paused topic (topic="*": every topic is paused).',
+            labels=_labels(named, ["topic"]),
+        )
+        max_running = GaugeMetricFamily(
+            "aiooutbox_topic_max_running",
+            "The limit on events of the topic claimed at once, across all consumers.",
+            labels=_labels(named, ["topic"]),
+        )
+        rate = GaugeMetricFamily(
+            "aiooutbox_topic_rate_limit",
+            "The limit on claims of the topic, in events per second.",
+            labels=_labels(named, ["topic"]),
+        )
         for name, queue in sorted(queues.items(), key=lambda item: item[0] or ""):
             snapshot = queue.snapshot
             if snapshot is None:
@@ -343,6 +358,16 @@ class QueueCollector(Collector):
             for topic, seconds in sorted(snapshot.lag.items()):
                 lag.add_metric(_values(named, name, [topic]), seconds)
             updated.add_metric(_values(named, name, []), snapshot.at)
+            for topic, (is_paused, most, per_second) in sorted(snapshot.controls.items()):
+                if is_paused:
+                    paused.add_metric(_values(named, name, [topic]), 1.0)
+                if most is not None:
+                    max_running.add_metric(_values(named, name, [topic]), float(most))
+                if per_second is not None:
+                    rate.add_metric(_values(named, name, [topic]), per_second)
         yield depth
         yield lag
         yield updated
+        yield paused
+        yield max_running
+        yield rate

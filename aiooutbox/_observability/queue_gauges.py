@@ -17,6 +17,7 @@ import asyncpg
 from anyio.abc import TaskStatus
 
 from .._sql.db import TRANSIENT_ERRORS, bounded
+from .._sql.flow import flow_queries
 from .._sql.statements import DEFAULT_SCHEMA, DEFAULT_TABLE, queries
 from .._values.text import exception_summary
 from ..errors import InvalidArgument
@@ -30,12 +31,17 @@ _QUEUE_QUERY_SHARE = 0.05
 
 
 class QueueSnapshot:
-    """One refresh: rows per (topic, status), lag per topic, and its wall time."""
+    """One refresh: rows per (topic, status), lag per topic, the topics' flow controls
+    (topic -> (paused, max_running, rate per second); ``"*"``: every topic), and its
+    wall time."""
 
-    __slots__ = ("at", "depth", "lag")
+    __slots__ = ("at", "controls", "depth", "lag")
 
-    def __init__(self, rows: list[Any], at: float) -> None:
+    def __init__(self, rows: list[Any], at: float, controls: list[Any] | None = None) -> None:
         self.at = at
+        self.controls: dict[str, tuple[bool, int | None, float | None]] = {
+            r["topic"] or "*": (r["paused"], r["max_running"], r["rate"]) for r in controls or ()
+        }
         self.depth: dict[tuple[str, str], float] = {}
         self.lag: dict[str, float] = {}
         for topic, status, count, age in rows:
@@ -68,6 +74,7 @@ class QueueGauges:
             raise InvalidArgument(f"interval must be between 0.05 and 3600 seconds, got {interval}")
         self._pool = pool
         self._sql = queries(schema, table).queue_gauges
+        self._controls_sql = flow_queries(schema, table).all_controls
         self.interval = float(interval)
         self._timeout = timeout
         self._snapshot: QueueSnapshot | None = None
@@ -84,8 +91,12 @@ class QueueGauges:
         """Run the query once; return how long it took. Raises on database errors."""
         started = time.monotonic()
         rows = await bounded(self._pool, "fetch", self._sql, timeout=self._timeout)
+        try:
+            controls = await bounded(self._pool, "fetch", self._controls_sql, timeout=self._timeout)
+        except asyncpg.UndefinedTableError:  # a schema from before flow control
+            controls = []
         took = time.monotonic() - started
-        self._snapshot = QueueSnapshot(list(rows), time.time())
+        self._snapshot = QueueSnapshot(list(rows), time.time(), list(controls))
         self._fresh_until = time.monotonic() + 3 * max(self.interval, took / _QUEUE_QUERY_SHARE)
         self.refreshes += 1
         return took

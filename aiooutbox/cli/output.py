@@ -90,6 +90,15 @@ def stats_view(report: OutboxStats, *, hint: str = "") -> str:
     if report.dead:
         dead += f" (python -m aiooutbox dead list{hint})"
     parts += [f"lag: {lag}", dead]
+    if report.paused:
+        shown = "every topic" if report.paused == ["*"] else ", ".join(report.paused)
+        parts.append(f"paused: {shown} (python -m aiooutbox topics{hint})")
+    for c in report.controls:
+        if c.limited:
+            limits = [f"max running {c.max_running}"] if c.max_running is not None else []
+            if c.rate_text is not None:
+                limits.append(f"rate {c.rate_text} (burst {c.burst:g})")
+            parts.append(f"limited: {c.topic}: {', '.join(limits)}")
     for u in report.unconsumed:
         parts.append(
             f"warning: {u.topic}: {u.waiting} event(s) waiting up to {age(u.lag)} and no "

@@ -34,6 +34,7 @@ from .options import (
     add_metrics_options,
 )
 from .run import cmd_run
+from .topics import add_topics_command
 
 __all__ = ["build_parser"]
 
@@ -139,6 +140,8 @@ def build_parser(prog: str = "aiooutbox") -> argparse.ArgumentParser:
     sta.add_argument("--json", action="store_true", help="print JSON for scripts")
     add_database_options(sta, many=True)
     add_logging_options(sta, "warning")
+
+    add_topics_command(commands, prog)
 
     dead = add_command(
         commands,

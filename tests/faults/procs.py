@@ -22,12 +22,12 @@ ROOT = Path(__file__).resolve().parents[2]
 class ConsumerProcess:
     """One ``python -m tests.faults.consumer_proc`` child."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], module: str = "tests.faults.consumer_proc") -> None:
         self.config = config
         # stderr to a file, not a pipe: a chatty child must never block on a full pipe
         self._stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.faults.consumer_proc", json.dumps(config)],
+            [sys.executable, "-m", module, json.dumps(config)],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=self._stderr,
