@@ -49,6 +49,7 @@ def test_every_python_snippet_in_the_docs_has_a_test() -> None:
         "deployment.md",
         "guarantees.md",
         "dashboard.md",
+        "flow-control.md",
     }
     tested = {f"docs/{name}" for name in elsewhere | set(SCRIPTED)} | {"README.md"}
     pages = [README, README.parent / "examples" / "README.md", *DOCS.rglob("*.md")]
