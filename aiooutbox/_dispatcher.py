@@ -134,6 +134,8 @@ class Dispatcher:
         # a claim failed (its reply may have been lost), or we just started (a consumer
         # restarted under a fixed worker_id may have left rows behind)
         self._reconcile = True
+        # a worker gave up claims whose lease lapsed before their handlers started
+        self._unstarted = False
 
     @property
     def _listening(self) -> bool:
@@ -171,6 +173,10 @@ class Dispatcher:
             try:
                 if self._reconcile:
                     await self.take_back_orphans("whose claim reply was lost")
+                elif self._unstarted:
+                    await self.take_back_orphans(
+                        "whose lease lapsed before their handlers started", unstarted=True
+                    )
                 rows = await self._claim(want, handoff)
             except TRANSIENT_ERRORS as exc:
                 if pool_is_closed(self._pool):
@@ -278,12 +284,21 @@ class Dispatcher:
                 # before the release: returning a connection to the pool resets it, a
                 # round trip the handlers need not wait for
                 if rows:
-                    self._hand_out(rows, handoff)
+                    self._hand_out(rows, handoff, started)
         self._stats.claims += 1
         window.claimed([r.available_at for r in rows], full=full, started=started, ended=ended)
         return rows
 
-    async def take_back_orphans(self, why: str) -> None:
+    def take_back_unstarted(self) -> None:
+        """A worker gave up claims it did not start (their lease lapsed): release them
+        before the next claim. Only the database knows whether they are still ours
+        (recovered by another consumer, or by this one and claimed again meanwhile),
+        so the release is by worker id, excluding what we hold, never by the old
+        claim's id and attempt."""
+        self._unstarted = True
+        self._signals.set_wake()
+
+    async def take_back_orphans(self, why: str, *, unstarted: bool = False) -> None:
         """Release rows that carry our worker id but that we do not hold.
 
         A claim whose reply was lost (a dropped connection, a timeout after the commit)
@@ -296,13 +311,13 @@ class Dispatcher:
         released = await bounded(
             self._pool,
             "fetch",
-            self._q.release_orphans,
+            self._q.release_unstarted if unstarted else self._q.release_orphans,
             self._o.worker_id,
             # held, or settled here but not yet written: neither is an orphan
             self._leases.ids() + self._settler.unsettled_ids(),
             timeout=self._o.statement_timeout,
         )
-        self._reconcile = False
+        self._reconcile = self._unstarted = False
         if released:
             logger.warning(
                 "released %d event(s) claimed by this consumer %s",
@@ -311,12 +326,15 @@ class Dispatcher:
                 extra={"event_ids": [r[0] for r in released][:1000]},
             )
 
-    def _hand_out(self, rows: list[ClaimedRow], handoff: Handoff[list[ClaimedRow]]) -> None:
-        now = time.monotonic()
-        self._arrivals.add(now, len(rows))
+    def _hand_out(
+        self, rows: list[ClaimedRow], handoff: Handoff[list[ClaimedRow]], started: float
+    ) -> None:
+        self._arrivals.add(time.monotonic(), len(rows))
         self._stats.claimed += len(rows)
         self._stats.in_flight += len(rows)
-        self._leases.hold_all(rows, now)
+        # the claim set each lease to end at its own start + lease_timeout, which came
+        # after `started`: this end is never later than the database's
+        self._leases.hold_all(rows, started + self._o.lease_timeout)
         for run in runs_of(rows):
             handoff.put(run)
 

@@ -35,6 +35,12 @@ __all__ = ["Engine"]
 
 logger = logging.getLogger("aiooutbox.consumer")
 
+# A handler starts only while its lease has at least this share of lease_timeout left
+# by the consumer's clock. Heartbeats renew every third of the lease, so a live loop
+# keeps about a third left at worst; after a blocked loop the overdue heartbeat needs
+# one round trip to renew, which this share leaves it.
+LEASE_MARGIN = 1 / 6
+
 
 class Engine:
     """The parts of one consumer run; `run` returns once everything is settled or released.
@@ -142,6 +148,18 @@ class Engine:
             if o.watchdog_interval is not None:
                 self.watchdog = Watchdog(self._pool, o)
                 services.start_soon(self.watchdog.run)
+            dispatcher = Dispatcher(
+                self._pool,
+                o,
+                topics=topics,
+                stats=self._stats,
+                leases=self._leases,
+                settler=settler,
+                signals=signals,
+                listener=self.listener,
+                is_stopping=self._is_stopping,
+                observers=self._observers,
+            )
             executor = Executor(
                 handlers=self._handlers,
                 settler=settler,
@@ -157,18 +175,8 @@ class Engine:
                 on_finished=signals.set_slot_freed,
                 on_fatal=self._on_fatal,
                 observers=self._observers,
-            )
-            dispatcher = Dispatcher(
-                self._pool,
-                o,
-                topics=topics,
-                stats=self._stats,
-                leases=self._leases,
-                settler=settler,
-                signals=signals,
-                listener=self.listener,
-                is_stopping=self._is_stopping,
-                observers=self._observers,
+                lease_margin=o.lease_timeout * LEASE_MARGIN,
+                on_unstarted=dispatcher.take_back_unstarted,
             )
             handoff: Handoff[list[ClaimedRow]] = Handoff()
             try:
@@ -189,7 +197,7 @@ class Engine:
                 # runs handed out that no worker took (a fast stop): release them too
                 while (run := handoff.take_nowait()) is not None:
                     executor.release(run[0])
-                    self._leases.finish(run[0].id, run[0].attempts)
+                    self._leases.finish(run[0])
                     self._stats.in_flight -= 1
                     executor.give_back(run[1:])
                 await settler.close(timeout=max(o.statement_timeout, 5.0))

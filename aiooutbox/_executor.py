@@ -75,6 +75,8 @@ class Executor:
         on_finished: Callable[[], None],
         on_fatal: Callable[[BaseException], None],
         observers: Observers,
+        lease_margin: float = 0.0,
+        on_unstarted: Callable[[], None] = lambda: None,
     ) -> None:
         self._handlers = handlers
         self._settler = settler
@@ -88,6 +90,10 @@ class Executor:
         self._on_finished = on_finished
         self._on_fatal = on_fatal
         self._observers = observers
+        # a handler starts only if its lease lasts at least this much longer by our
+        # clock: time for the heartbeat, overdue after a blocked loop, to renew it
+        self._lease_margin = lease_margin
+        self._on_unstarted = on_unstarted
 
     async def execute_run(self, run: list[ClaimedRow]) -> None:
         """Run an ordered key's run of events one after another (the workers hand a
@@ -103,6 +109,12 @@ class Executor:
             except BaseException:
                 self.give_back(run[i + 1 :])
                 raise
+            if outcome == "lapsed":
+                # the lease of this run is gone (or in doubt): start none of it; the
+                # database takes back what is still ours (see `Executor.lapsed`)
+                for later in run[i + 1 :]:
+                    self._finish(later)
+                return
             if outcome not in ("done", "dead") and i + 1 < len(run):
                 self.give_back(run[i + 1 :])
                 return
@@ -114,9 +126,32 @@ class Executor:
             self._finish(row)
 
     def _finish(self, row: ClaimedRow) -> None:
-        self._leases.finish(row.id, row.attempts)
+        self._leases.finish(row)
         self._stats.in_flight -= 1
         self._on_finished()
+
+    def lapsed(self, row: ClaimedRow) -> str:
+        """Give up a claim whose lease may be gone before its handler starts.
+
+        Its lease ends within the margin by our clock, was found lost by the
+        heartbeat, or the row was claimed again since: the event loop was blocked past
+        the lease (a handler's synchronous work), and another consumer may already run
+        the event, and the events of its key after it. Nothing is settled here: an
+        outcome fenced by worker and attempt could land on a later claim of the same
+        row by this consumer (a run member's attempt is given back with it). The
+        dispatcher releases, before its next claim, what the database still shows as
+        ours and we no longer hold.
+        """
+        logger.warning(
+            "event %d (%s): not started, its lease lapsed first (the event loop was "
+            "blocked for longer than the lease allows?); giving it back with the rest "
+            "of its run",
+            row.id,
+            row.topic,
+            extra={"event_id": row.id, "topic": row.topic, "attempt": row.attempts},
+        )
+        self._on_unstarted()
+        return "lapsed"
 
     async def execute(self, row: ClaimedRow) -> str:
         """Run ``row``'s handler; return the outcome (done, retry, dead, released, ...).
@@ -128,6 +163,8 @@ class Executor:
             if self._is_stopping():
                 self.release(row)
                 return "released"
+            if not self._leases.startable(row, time.monotonic() + self._lease_margin):
+                return self.lapsed(row)
             if row.size > _THREAD_DECODE_CHARS:
                 event = await self._event_in_thread(row)
             else:

@@ -57,8 +57,10 @@ class Maintenance:
         interval = self._lease_timeout / 3
         while True:
             await anyio.sleep(interval * random.uniform(0.8, 1.0))
+            # before the statement: the lease it sets ends no earlier than this + lease
             now = time.monotonic()
-            due = self._leases.due(interval)
+            # extended at least `interval` ago: ending within lease - interval from now
+            due = self._leases.due(now + self._lease_timeout - interval)
             if not due:
                 continue
             try:
@@ -66,7 +68,7 @@ class Maintenance:
                     self._pool,
                     "fetch",
                     self._q.extend_leases,
-                    due,
+                    [row.id for row in due],
                     self._worker_id,
                     self._lease_timeout,
                     timeout=self._timeout,
@@ -75,17 +77,18 @@ class Maintenance:
                 check_permanent(exc, "extending leases")
                 logger.warning("lease heartbeat failed (%s: %s)", type(exc).__name__, exc)
                 continue
-            alive = {r[0] for r in kept}
-            for event_id in due:
-                if event_id in alive:
-                    self._leases.renewed(event_id, now)
-                elif event_id in self._leases:
+            alive = {(r[0], r[1]) for r in kept}
+            ends = now + self._lease_timeout
+            for row in due:
+                if (row.id, row.attempts) in alive:
+                    self._leases.renewed(row, ends)
+                elif self._leases.lost(row):
                     logger.warning(
-                        "event %d: lease lost while its handler runs; its outcome will be ignored",
-                        event_id,
-                        extra={"event_id": event_id},
+                        "event %d: lease lost (it expired and the event was recovered); a "
+                        "handler still running for it has its outcome ignored, none will start",
+                        row.id,
+                        extra={"event_id": row.id},
                     )
-                    self._leases.lost(event_id)
 
     async def recovery_loop(self) -> None:
         """Recover expired leases; purge old ``done`` rows and stale idle adverts."""

@@ -273,12 +273,13 @@ class Queries:
 
     @property
     def extend_leases(self) -> str:
-        # $1 ids, $2 worker id, $3 lease seconds
+        # $1 ids, $2 worker id, $3 lease seconds; rows (id, attempts) still held, so the
+        # caller can tell its claim from a later claim of the same row
         return (
             f"UPDATE {self.qualified}"
             " SET lease_expires_at = now() + make_interval(secs => $3::float8)"
             " WHERE id = ANY ($1::bigint[]) AND status = 'processing' AND locked_by = $2"
-            " RETURNING id"
+            " RETURNING id, attempts"
         )
 
     @property
@@ -297,6 +298,15 @@ class Queries:
         return (
             f"SELECT * FROM {self._function('requeue_v5')}($1, $2::bigint[], 0,"
             " 'released: the claim reply never reached its worker')"
+        )
+
+    @property
+    def release_unstarted(self) -> str:
+        # as release_orphans, for claims its worker gave up before starting their
+        # handlers because the lease had lapsed (an event loop blocked past the lease)
+        return (
+            f"SELECT * FROM {self._function('requeue_v5')}($1, $2::bigint[], 0,"
+            " 'released: its lease lapsed before its worker started the handler')"
         )
 
     @property
