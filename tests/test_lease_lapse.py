@@ -154,3 +154,54 @@ async def test_a_consumer_whose_loop_was_blocked_past_its_lease_starts_nothing_m
     assert await runs.fetchval(OVERLAPS, frozen) == 0, shown
     assert await runs.fetchval(BACKWARDS, frozen) == 0, shown
     assert any("not started, its lease lapsed" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_lone_consumer_resumes_a_key_in_order_after_its_loop_was_blocked(
+    runs: asyncpg.Pool,
+) -> None:
+    """No other consumer: what the blocked one gave up (or its own recovery took back)
+    is claimed again, and the key runs on in order; nothing is left waiting."""
+    lease, total = 1.0, 8
+    ids = await aiooutbox.enqueue_many(
+        runs, [aiooutbox.NewEvent("t", {"seq": n}, ordering_key="k") for n in range(total)]
+    )
+    blocked = ids[1]  # the second event of the run blocks, so the head is done first
+    starts: list[tuple[int, int]] = []  # (seq, attempt) in start order
+    overlapping: list[tuple[int, int]] = []  # runs that started while another ran
+    running = 0
+
+    async def handle(event: aiooutbox.Event) -> None:
+        nonlocal running
+        starts.append((event.payload["seq"], event.attempts))
+        if running:
+            overlapping.append(starts[-1])
+        running += 1
+        try:
+            if event.id == blocked and len(starts) == 2:
+                time.sleep(3 * lease)  # the loop is blocked: no heartbeat, no recovery
+            else:
+                await asyncio.sleep(0.01)
+        finally:
+            running -= 1
+
+    consumer = aiooutbox.OutboxConsumer(
+        runs, concurrency=16, lease_timeout=lease, poll_interval=0.2
+    )
+    async with consumer:
+        task = asyncio.ensure_future(consumer.run({"t": handle}))
+        try:
+            await wait_until(all_in(runs, "done", total), timeout=30, interval=0.05)
+            await asyncio.sleep(0.5)  # anything still to start from the old claim
+        finally:
+            consumer.stop()
+            await asyncio.wait_for(task, 30)
+    print(f"\n[lone blocked consumer] starts (seq, attempt): {starts}")
+    assert starts[1] == (1, 1)  # the run that was going on while the loop was blocked
+    assert not overlapping, starts
+    # after it, the key is delivered again from its earliest unsettled event, in order:
+    # e1 again if its outcome was not written before the lease lapsed, then e2 (the
+    # blocked handler's own repeat), e3, ...; never anything of the old claim
+    after = [seq for seq, _ in starts[:1] + starts[2:]]
+    assert after == sorted(after), starts
+    assert set(after) == set(range(total)), starts
+    assert await runs.fetchval("SELECT count(*) FROM outbox_events WHERE status <> 'done'") == 0
