@@ -122,8 +122,26 @@ class Executor:
     def give_back(self, rows: list[ClaimedRow]) -> None:
         """Rows claimed behind a head that will not run now: back to waiting."""
         for row in rows:
-            self._settler.record(Settlement(row.id, row.attempts, Outcome.UNRUN))
+            if not self._superseded(row):
+                self._settler.record(Settlement(row.id, row.attempts, Outcome.UNRUN))
             self._finish(row)
+
+    def _superseded(self, row: ClaimedRow) -> bool:
+        """True (and logged) if this consumer claimed the row again after this claim's
+        lease lapsed: the row is the newer claim's to settle. Settlements are fenced by
+        worker and attempt, and a run member comes back with its attempt given back,
+        so this claim's outcome could otherwise land on the newer claim."""
+        if self._leases.holds(row):
+            return False
+        logger.warning(
+            "event %d (%s): outcome of attempt %d not written: its lease lapsed and this "
+            "consumer claimed the event again since",
+            row.id,
+            row.topic,
+            row.attempts,
+            extra={"event_id": row.id, "topic": row.topic, "attempt": row.attempts},
+        )
+        return True
 
     def _finish(self, row: ClaimedRow) -> None:
         self._leases.finish(row)
@@ -214,7 +232,9 @@ class Executor:
                 )
                 self._on_fatal(exc)
             else:
-                self._settler.done(row.id, row.attempts)
+                # `holds` first: the usual case costs one call
+                if self._leases.holds(row) or not self._superseded(row):
+                    self._settler.done(row.id, row.attempts)
                 self._stats.done += 1
                 if observing:
                     observers.settled(row.topic, "done")
@@ -272,6 +292,8 @@ class Executor:
         self._stats.released += 1
         if self._observers:
             self._observers.settled(row.topic, "released")
+        if self._superseded(row):
+            return
         self._settler.record(
             Settlement(
                 row.id,
@@ -335,7 +357,8 @@ class Executor:
                 then,
                 extra=extra,
             )
-        self._settler.record(Settlement(row.id, row.attempts, outcome, delay, error, blocks))
+        if not self._superseded(row):
+            self._settler.record(Settlement(row.id, row.attempts, outcome, delay, error, blocks))
         if self._observers:
             self._observers.settled(row.topic, "dead" if dead else "retry")
         # a dead event of a key that blocks stops its run, as a retry does

@@ -51,6 +51,11 @@ class Leases:
         if held is not None and held[0] is row:
             del self._held[row.id]
 
+    def holds(self, row: ClaimedRow) -> bool:
+        """True while this claim is the one held for its row (lost or not)."""
+        held = self._held.get(row.id)
+        return held is not None and held[0] is row
+
     def startable(self, row: ClaimedRow, until: float) -> bool:
         """True if this claim is still held and its lease lasts past ``until``: a
         handler may start. False once the lease is lost, ends before ``until``, or the

@@ -58,37 +58,41 @@ class Maintenance:
         while True:
             await anyio.sleep(interval * random.uniform(0.8, 1.0))
             # before the statement: the lease it sets ends no earlier than this + lease
-            now = time.monotonic()
-            # extended at least `interval` ago: ending within lease - interval from now
-            due = self._leases.due(now + self._lease_timeout - interval)
-            if not due:
-                continue
-            try:
-                kept = await bounded(
-                    self._pool,
-                    "fetch",
-                    self._q.extend_leases,
-                    [row.id for row in due],
-                    self._worker_id,
-                    self._lease_timeout,
-                    timeout=self._timeout,
+            await self.renew_due(time.monotonic())
+
+    async def renew_due(self, now: float) -> None:
+        """One heartbeat at ``now`` (monotonic): extend the leases extended at least a
+        third of the lease ago; record which are renewed and which are lost."""
+        interval = self._lease_timeout / 3
+        due = self._leases.due(now + self._lease_timeout - interval)
+        if not due:
+            return
+        try:
+            kept = await bounded(
+                self._pool,
+                "fetch",
+                self._q.extend_leases,
+                [row.id for row in due],
+                self._worker_id,
+                self._lease_timeout,
+                timeout=self._timeout,
+            )
+        except TRANSIENT_ERRORS as exc:
+            check_permanent(exc, "extending leases")
+            logger.warning("lease heartbeat failed (%s: %s)", type(exc).__name__, exc)
+            return
+        alive = {(r[0], r[1]) for r in kept}
+        ends = now + self._lease_timeout
+        for row in due:
+            if (row.id, row.attempts) in alive:
+                self._leases.renewed(row, ends)
+            elif self._leases.lost(row):
+                logger.warning(
+                    "event %d: lease lost (it expired and the event was recovered); a "
+                    "handler still running for it has its outcome ignored, none will start",
+                    row.id,
+                    extra={"event_id": row.id},
                 )
-            except TRANSIENT_ERRORS as exc:
-                check_permanent(exc, "extending leases")
-                logger.warning("lease heartbeat failed (%s: %s)", type(exc).__name__, exc)
-                continue
-            alive = {(r[0], r[1]) for r in kept}
-            ends = now + self._lease_timeout
-            for row in due:
-                if (row.id, row.attempts) in alive:
-                    self._leases.renewed(row, ends)
-                elif self._leases.lost(row):
-                    logger.warning(
-                        "event %d: lease lost (it expired and the event was recovered); a "
-                        "handler still running for it has its outcome ignored, none will start",
-                        row.id,
-                        extra={"event_id": row.id},
-                    )
 
     async def recovery_loop(self) -> None:
         """Recover expired leases; purge old ``done`` rows and stale idle adverts."""
