@@ -79,6 +79,7 @@ class Signals:
         self.wake = anyio.Event()  # a notification, a recovery, a stop, a retry written
         self.slot_freed = anyio.Event()  # a handler finished
         self.stop = anyio.Event()
+        self.listener_back = anyio.Event()  # the listener (re)connected: the server is back
 
     def set_wake(self) -> None:
         self.wake.set()
@@ -90,6 +91,13 @@ class Signals:
 
     def set_slot_freed(self) -> None:
         self.slot_freed.set()
+
+    def set_listener_back(self) -> None:
+        self.listener_back.set()
+
+    def clear_listener_back(self) -> None:
+        if self.listener_back.is_set():
+            self.listener_back = anyio.Event()
 
     def clear_wake(self) -> None:
         if self.wake.is_set():
@@ -136,6 +144,7 @@ class Dispatcher:
         self._reconcile = True
         # a worker gave up claims whose lease lapsed before their handlers started
         self._unstarted = False
+        self._warned_down: float | None = None  # the listener outage last warned about
 
     @property
     def _listening(self) -> bool:
@@ -170,6 +179,7 @@ class Dispatcher:
                 await signals.slot_freed.wait()
                 continue
             signals.clear_wake()
+            signals.clear_listener_back()
             try:
                 if self._reconcile:
                     await self.take_back_orphans("whose claim reply was lost")
@@ -186,7 +196,10 @@ class Dispatcher:
                 check_permanent(exc, "claiming events")
                 self._reconcile = True
                 self._claim_failed(exc, want, backoff)
-                await _wait_for(signals.stop.wait(), backoff * (0.5 + random.random()))
+                # a listener that reconnects meanwhile shows the server is back: claim then
+                await _wait_any(
+                    (signals.stop, signals.listener_back), backoff * (0.5 + random.random())
+                )
                 backoff = min(backoff * 2, 5.0)
                 continue
             backoff = 0.05
@@ -214,6 +227,17 @@ class Dispatcher:
                 # the listener reconnected: after a server crash the unlogged idle table
                 # is empty, so producers would notify nobody until we advertise again
                 idle = False
+            # claims work again but the listener is still down (it may sit in its
+            # reconnect backoff): idle now and an event committed meanwhile waits for the
+            # poll. Have it reconnect at once and wait for that; its reconnect wakes us for
+            # one more claim, then we advertise with it up.
+            if (
+                o.listen
+                and listener is not None
+                and not listener.connected
+                and await self._listener_back(listener)
+            ):
+                continue
             # leaving the fast path: the next claim starts from the oldest entry, so a row
             # the watermark hid is never left waiting for a poll
             self.window.force_full()
@@ -230,6 +254,20 @@ class Dispatcher:
                 idle = await self._declare(busy=False)
                 advertised_at = time.monotonic()
             await _wait_for(signals.wake.wait(), await self._idle_timeout(idle))
+
+    async def _listener_back(self, listener: Listener) -> bool:
+        """Ask the listener to reconnect now and wait for it (a connect's worth of time);
+        say once per outage when it is not back."""
+        if await listener.reconnect_now(self._o.statement_timeout):
+            return True
+        if self._warned_down != listener.down_since:
+            self._warned_down = listener.down_since
+            logger.warning(
+                "claims work but the listener is still down; until it reconnects, new "
+                "events wait for the poll (poll_interval=%.1fs)",
+                self._o.poll_interval,
+            )
+        return False
 
     def _claim_failed(self, exc: BaseException, want: int, backoff: float) -> None:
         if isinstance(exc, (TimeoutError, asyncpg.QueryCanceledError)):
@@ -398,3 +436,16 @@ async def declare(
 async def _wait_for(awaitable: Awaitable[Any], timeout: float) -> None:
     with anyio.move_on_after(timeout):
         await awaitable
+
+
+async def _wait_any(events: tuple[anyio.Event, ...], timeout: float) -> None:
+    """Until one of ``events`` is set, at most ``timeout`` seconds (a failure path only)."""
+    with anyio.move_on_after(timeout):
+        async with anyio.create_task_group() as group:
+
+            async def one(event: anyio.Event) -> None:
+                await event.wait()
+                group.cancel_scope.cancel()
+
+            for event in events:
+                group.start_soon(one, event)

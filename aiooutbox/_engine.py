@@ -124,6 +124,8 @@ class Engine:
                     timeout=o.statement_timeout,
                     worker_id=o.worker_id,
                     probe_interval=o.listen_probe_interval,
+                    on_lost=signals.set_wake,  # an idle consumer must not wait on it now
+                    on_connected=signals.set_listener_back,
                 )
                 # a stop() during the first connect must not wait for its timeout
                 with anyio.CancelScope() as self.startup_scope:
