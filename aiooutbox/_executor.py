@@ -161,9 +161,9 @@ class Executor:
         ours and we no longer hold.
         """
         logger.warning(
-            "event %d (%s): not started, its lease lapsed first (the event loop was "
-            "blocked for longer than the lease allows?); giving it back with the rest "
-            "of its run",
+            "event %d (%s): not started, its lease lapsed first (was the event loop "
+            "blocked for longer than the lease?); given back, with the later events of "
+            "its key claimed with it",
             row.id,
             row.topic,
             extra={"event_id": row.id, "topic": row.topic, "attempt": row.attempts},
@@ -232,8 +232,9 @@ class Executor:
                 )
                 self._on_fatal(exc)
             else:
-                # `holds` first: the usual case costs one call
-                if self._leases.holds(row) or not self._superseded(row):
+                # the usual case (no claim ever replaced another) costs one attribute
+                leases = self._leases
+                if not leases.replaced or leases.holds(row) or not self._superseded(row):
                     self._settler.done(row.id, row.attempts)
                 self._stats.done += 1
                 if observing:

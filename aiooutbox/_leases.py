@@ -30,6 +30,9 @@ class Leases:
     def __init__(self) -> None:
         # id -> (the claim, when its lease ends by time.monotonic(); -inf once lost)
         self._held: dict[int, tuple[ClaimedRow, float]] = {}
+        # claims that replaced a claim of the same row still held here (after a lapsed
+        # lease): while none has, every claim recorded here is the one held
+        self.replaced = 0
 
     def __len__(self) -> int:
         return len(self._held)
@@ -42,7 +45,11 @@ class Leases:
 
     def hold_all(self, rows: Iterable[ClaimedRow], ends: float) -> None:
         """Hold every row of a claim, each lease ending at ``ends`` (monotonic)."""
-        self._held.update({row.id: (row, ends) for row in rows})
+        before = len(self._held)
+        claimed = {row.id: (row, ends) for row in rows}
+        self._held.update(claimed)
+        if len(self._held) != before + len(claimed):
+            self.replaced += 1
 
     def finish(self, row: ClaimedRow) -> None:
         """Forget a claim whose outcome is recorded (unless the row was re-claimed since)."""
