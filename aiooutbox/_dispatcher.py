@@ -13,7 +13,7 @@ import math
 import random
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import asyncpg
@@ -258,8 +258,13 @@ class Dispatcher:
     async def _listener_back(self, listener: Listener) -> bool:
         """Ask the listener to reconnect now and wait for it (a connect's worth of time);
         say once per outage when it is not back."""
-        if await listener.reconnect_now(self._o.statement_timeout):
+        tried = listener.reconnect_now()
+        # a connect's worth of time (its timeout), or until a stop
+        await _wait_any((tried, self._signals.stop), self._o.statement_timeout)
+        if listener.connected:
             return True
+        if self._is_stopping():
+            return False
         if self._warned_down != listener.down_since:
             self._warned_down = listener.down_since
             logger.warning(
@@ -438,12 +443,16 @@ async def _wait_for(awaitable: Awaitable[Any], timeout: float) -> None:
         await awaitable
 
 
-async def _wait_any(events: tuple[anyio.Event, ...], timeout: float) -> None:
-    """Until one of ``events`` is set, at most ``timeout`` seconds (a failure path only)."""
+class _Waitable(Protocol):
+    async def wait(self) -> Any: ...
+
+
+async def _wait_any(events: tuple[_Waitable, ...], timeout: float) -> None:
+    """Until one of ``events`` is set, at most ``timeout`` seconds (off the hot path)."""
     with anyio.move_on_after(timeout):
         async with anyio.create_task_group() as group:
 
-            async def one(event: anyio.Event) -> None:
+            async def one(event: _Waitable) -> None:
                 await event.wait()
                 group.cancel_scope.cancel()
 

@@ -10,7 +10,7 @@ While the listener is down, notifications are lost, so a consumer never waits on
 then: losing the connection wakes the consumer (``on_lost``), a reconnect wakes it
 again and cuts a claim's backoff short (``on_connected``: the server is back), and a
 consumer whose claims work again while the listener still sits in its backoff asks it to
-try at once (`reconnect_now`) and waits for it before going idle.
+try at once (`reconnect_now`) and waits for that try before going idle.
 
 A link can also stay up while notifications no longer arrive (a middlebox, a stalled
 socket, a server-side cancel), so the listener proves it hears: every probe interval
@@ -113,17 +113,16 @@ class Listener:
         if self._topics is None or topic in self._topics:
             self._on_wake()
 
-    async def reconnect_now(self, timeout: float) -> bool:
+    def reconnect_now(self) -> asyncio.Event:
         """Try to reconnect at once rather than at the end of the backoff (the pool
-        reaches the server again, so it is probably back); wait up to ``timeout``
-        seconds for that try. Return whether the listener is up."""
-        if self.connected:
-            return True
+        reaches the server again, so it is probably back). Returns an event set once
+        that try has ended, either way (at once if the listener is up)."""
         tried = self._tried = asyncio.Event()
-        self._try_now.set()
-        with anyio.move_on_after(timeout):
-            await tried.wait()
-        return self.connected
+        if self.connected:
+            tried.set()
+        else:
+            self._try_now.set()
+        return tried
 
     @property
     def probe_timeout(self) -> float:
