@@ -142,8 +142,6 @@ class Dispatcher:
         # a claim failed (its reply may have been lost), or we just started (a consumer
         # restarted under a fixed worker_id may have left rows behind)
         self._reconcile = True
-        # a worker gave up claims whose lease lapsed before their handlers started
-        self._unstarted = False
         self._warned_down: float | None = None  # the listener outage last warned about
 
     @property
@@ -183,10 +181,6 @@ class Dispatcher:
             try:
                 if self._reconcile:
                     await self.take_back_orphans("whose claim reply was lost")
-                elif self._unstarted:
-                    await self.take_back_orphans(
-                        "whose lease lapsed before their handlers started", unstarted=True
-                    )
                 rows = await self._claim(want, handoff)
             except TRANSIENT_ERRORS as exc:
                 if pool_is_closed(self._pool):
@@ -332,16 +326,7 @@ class Dispatcher:
         window.claimed([r.available_at for r in rows], full=full, started=started, ended=ended)
         return rows
 
-    def take_back_unstarted(self) -> None:
-        """A worker gave up claims it did not start (their lease lapsed): release them
-        before the next claim. Only the database knows whether they are still ours
-        (recovered by another consumer, or by this one and claimed again meanwhile),
-        so the release is by worker id, excluding what we hold, never by the old
-        claim's id and attempt."""
-        self._unstarted = True
-        self._signals.set_wake()
-
-    async def take_back_orphans(self, why: str, *, unstarted: bool = False) -> None:
+    async def take_back_orphans(self, why: str) -> None:
         """Release rows that carry our worker id but that we do not hold.
 
         A claim whose reply was lost (a dropped connection, a timeout after the commit)
@@ -354,13 +339,13 @@ class Dispatcher:
         released = await bounded(
             self._pool,
             "fetch",
-            self._q.release_unstarted if unstarted else self._q.release_orphans,
+            self._q.release_orphans,
             self._o.worker_id,
             # held, or settled here but not yet written: neither is an orphan
             self._leases.ids() + self._settler.unsettled_ids(),
             timeout=self._o.statement_timeout,
         )
-        self._reconcile = self._unstarted = False
+        self._reconcile = False
         if released:
             logger.warning(
                 "released %d event(s) claimed by this consumer %s",

@@ -150,18 +150,6 @@ class Engine:
             if o.watchdog_interval is not None:
                 self.watchdog = Watchdog(self._pool, o)
                 services.start_soon(self.watchdog.run)
-            dispatcher = Dispatcher(
-                self._pool,
-                o,
-                topics=topics,
-                stats=self._stats,
-                leases=self._leases,
-                settler=settler,
-                signals=signals,
-                listener=self.listener,
-                is_stopping=self._is_stopping,
-                observers=self._observers,
-            )
             executor = Executor(
                 handlers=self._handlers,
                 settler=settler,
@@ -178,7 +166,18 @@ class Engine:
                 on_fatal=self._on_fatal,
                 observers=self._observers,
                 lease_margin=o.lease_timeout * LEASE_MARGIN,
-                on_unstarted=dispatcher.take_back_unstarted,
+            )
+            dispatcher = Dispatcher(
+                self._pool,
+                o,
+                topics=topics,
+                stats=self._stats,
+                leases=self._leases,
+                settler=settler,
+                signals=signals,
+                listener=self.listener,
+                is_stopping=self._is_stopping,
+                observers=self._observers,
             )
             handoff: Handoff[list[ClaimedRow]] = Handoff()
             try:

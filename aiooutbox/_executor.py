@@ -76,7 +76,6 @@ class Executor:
         on_fatal: Callable[[BaseException], None],
         observers: Observers,
         lease_margin: float = 0.0,
-        on_unstarted: Callable[[], None] = lambda: None,
     ) -> None:
         self._handlers = handlers
         self._settler = settler
@@ -93,7 +92,6 @@ class Executor:
         # a handler starts only if its lease lasts at least this much longer by our
         # clock: time for the heartbeat, overdue after a blocked loop, to renew it
         self._lease_margin = lease_margin
-        self._on_unstarted = on_unstarted
 
     async def execute_run(self, run: list[ClaimedRow]) -> None:
         """Run an ordered key's run of events one after another (the workers hand a
@@ -110,8 +108,8 @@ class Executor:
                 self.give_back(run[i + 1 :])
                 raise
             if outcome == "lapsed":
-                # the lease of this run is gone (or in doubt): start none of it; the
-                # database takes back what is still ours (see `Executor.lapsed`)
+                # the lease of this run is gone (or in doubt): start none of it (see
+                # `Executor.lapsed`)
                 for later in run[i + 1 :]:
                     self._finish(later)
                 return
@@ -151,24 +149,25 @@ class Executor:
     def lapsed(self, row: ClaimedRow) -> str:
         """Give up a claim whose lease may be gone before its handler starts.
 
-        Its lease ends within the margin by our clock, was found lost by the
-        heartbeat, or the row was claimed again since: the event loop was blocked past
-        the lease (a handler's synchronous work), and another consumer may already run
-        the event, and the events of its key after it. Nothing is settled here: an
-        outcome fenced by worker and attempt could land on a later claim of the same
-        row by this consumer (a run member's attempt is given back with it). The
-        dispatcher releases, before its next claim, what the database still shows as
-        ours and we no longer hold.
+        Its lease ends within the margin by our clock, was found lost by the heartbeat,
+        or the row was claimed again since: the event loop was blocked past the lease (a
+        handler's synchronous work), and another consumer may already run the event,
+        and the events of its key after it. Nothing is written: an outcome fenced by
+        worker and attempt could land on a later claim of the same row by this consumer
+        (a run member's attempt is given back with it), and a release by worker id
+        could take part of a key's run and leave the rest for recovery to make a second
+        head of. The rows come back as a crashed worker's do, through lease recovery,
+        all of a key's together: their lease has lapsed already, or will within the
+        margin.
         """
         logger.warning(
             "event %d (%s): not started, its lease lapsed first (was the event loop "
-            "blocked for longer than the lease?); given back, with the later events of "
-            "its key claimed with it",
+            "blocked for longer than the lease?); it comes back through lease recovery, "
+            "with the later events of its key claimed with it",
             row.id,
             row.topic,
             extra={"event_id": row.id, "topic": row.topic, "attempt": row.attempts},
         )
-        self._on_unstarted()
         return "lapsed"
 
     async def execute(self, row: ClaimedRow) -> str:

@@ -53,7 +53,7 @@ class Maintenance:
         self._timeout = statement_timeout
 
     async def heartbeat_loop(self) -> None:
-        """Extend the leases of handlers that run longer than a third of the lease."""
+        """Extend the leases of handlers that run longer than a sixth of the lease."""
         interval = self._lease_timeout / 3
         while True:
             await anyio.sleep(interval * random.uniform(0.8, 1.0))
@@ -62,9 +62,12 @@ class Maintenance:
 
     async def renew_due(self, now: float) -> None:
         """One heartbeat at ``now`` (monotonic): extend the leases extended at least a
-        third of the lease ago; record which are renewed and which are lost."""
-        interval = self._lease_timeout / 3
-        due = self._leases.due(now + self._lease_timeout - interval)
+        sixth of the lease ago; record which are renewed and which are lost.
+
+        Beats come every third of the lease, so a lease keeps about half of it at worst
+        (less the beat's own delay): a handler starts only with a sixth to spare (see
+        `Executor`), and a busy loop must not make the workers give claims up."""
+        due = self._leases.due(now + self._lease_timeout * 5 / 6)
         if not due:
             return
         try:

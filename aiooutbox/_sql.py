@@ -301,15 +301,6 @@ class Queries:
         )
 
     @property
-    def release_unstarted(self) -> str:
-        # as release_orphans, for claims its worker gave up before starting their
-        # handlers because the lease had lapsed (an event loop blocked past the lease)
-        return (
-            f"SELECT * FROM {self._function('requeue_v5')}($1, $2::bigint[], 0,"
-            " 'released: its lease lapsed before its worker started the handler')"
-        )
-
-    @property
     def next_available(self) -> str:
         # seconds until the earliest claimable row of these topics becomes due: one
         # probe of the topic-first index per topic, so a topic's backlog never slows
