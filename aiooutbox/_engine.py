@@ -36,9 +36,9 @@ __all__ = ["Engine"]
 logger = logging.getLogger("aiooutbox.consumer")
 
 # A handler starts only while its lease has at least this share of lease_timeout left
-# by the consumer's clock. Heartbeats renew every third of the lease, so a live loop
-# keeps about a third left at worst; after a blocked loop the overdue heartbeat needs
-# one round trip to renew, which this share leaves it.
+# by the consumer's clock. Heartbeats (every third of the lease, renewing what is held
+# longer than a sixth) keep about half of it on a live loop; after a blocked loop the
+# overdue heartbeat needs one round trip to renew, which this share leaves it.
 LEASE_MARGIN = 1 / 6
 
 
