@@ -86,7 +86,9 @@ class OutboxConsumer:
       it bounds the delay of a missed wake-up and of delayed events' start.
     - ``lease_timeout=30.0``: a row held longer without a heartbeat is recovered by any
       consumer. Leases are extended every third of it while handlers run, so it only
-      needs to exceed the time a crashed or frozen worker may take to be noticed.
+      needs to exceed the time a crashed or frozen worker may take to be noticed. A
+      handler starts only while its lease has more than a sixth of it left (by this
+      process's clock): a loop blocked past it starts nothing more of what it claimed.
     - ``shutdown_grace=10.0``: on stop, running handlers get this long to finish; the
       rest are cancelled and released for another consumer at once. The attempt still
       counts (``attempts`` never decreases), but a release never sends a row to ``dead``.

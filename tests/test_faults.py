@@ -15,7 +15,7 @@ import gc
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -413,6 +413,91 @@ def _async(predicate: Any) -> Any:
         return bool(predicate())
 
     return wrapped
+
+
+async def test_after_a_restart_the_listener_is_back_before_the_consumer_idles(
+    private_pg: PrivatePostgres, private_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server stops while the consumer idles and starts again 6 s later. The
+    listener has been reconnecting since the stop, its backoff doubling; the claims
+    begin failing later (here at the poll, 4 s in), so their backoff is short and they
+    work again first. The consumer must not go idle before the listener is back: an event
+    committed then notifies a listener that is not there and waits for the poll (seen:
+    2.4 s where 40 ms is usual). Three restarts; the probe event after each must be
+    handled through the listener, well within the poll."""
+    poll = 4.0
+    recorder = Recorder()
+
+    async def handler(event: aiooutbox.Event) -> None:
+        recorder("c", event)
+
+    caplog.set_level(logging.INFO, logger="aiooutbox.listener")
+    cycles: list[dict[str, Any]] = []
+    async with asyncpg.create_pool(private_dsn, min_size=1, max_size=5) as pool:
+        consumer = aiooutbox.OutboxConsumer(
+            pool, concurrency=16, poll_interval=poll, lease_timeout=15, statement_timeout=2
+        )
+        async with running(consumer, {"t": handler}):
+            for cycle in range(3):
+                await wait_until(lambda: _idle(consumer, pool), 30, "the consumer to go idle")
+                stopped = time.time()
+                await asyncio.to_thread(private_pg.stop, "fast")
+                await asyncio.sleep(6)
+                await asyncio.to_thread(private_pg.start)
+                up = time.time()
+                conn = await asyncpg.connect(private_dsn)
+                marker = await aiooutbox.enqueue(conn, "t", {"after_restart": cycle})
+                assert marker is not None
+                resumed = await wait_until(
+                    _seen(recorder, marker), 30, "work to resume after the restart", interval=0.01
+                )
+                await wait_until(
+                    lambda: _quiet(consumer), 30, "the consumer to go idle", interval=0.01
+                )
+                listening = consumer.listening
+                sent, sent_at = time.monotonic(), time.time()
+                probe = await aiooutbox.enqueue(conn, "t", {"probe": cycle})
+                assert probe is not None
+                await wait_until(_seen(recorder, probe), 40, "the probe event", interval=0.01)
+                await conn.close()
+                # seconds after the server was up that the listener said it was back
+                said = [
+                    r.created - up
+                    for r in caplog.records
+                    if r.getMessage().startswith("listener reconnected")
+                    and stopped < r.created < sent_at
+                ]
+                cycles.append(
+                    {
+                        "resumed_s": round(resumed, 2),
+                        "listening_when_idle": listening,
+                        "listener_said_back_at_s": round(said[-1], 2) if said else None,
+                        "probe_latency_s": round(recorder.seen[probe] - sent, 3),
+                    }
+                )
+                caplog.clear()
+    report("listener back before idle", **{f"restart_{i + 1}": c for i, c in enumerate(cycles)})
+    for c in cycles:
+        assert c["listening_when_idle"], f"went idle with the listener down: {cycles}"
+        assert c["listener_said_back_at_s"] is not None, f"no 'listener reconnected': {cycles}"
+        assert c["probe_latency_s"] < 1.0, f"the probe waited for a poll ({poll}s): {cycles}"
+
+
+def _seen(recorder: Recorder, event_id: int) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return event_id in recorder.seen
+
+    return check
+
+
+async def _quiet(consumer: aiooutbox.OutboxConsumer) -> bool:
+    """Nothing in flight and no claim for 0.3 s: the consumer waits for a wake-up (or for
+    its poll), whether or not its listener is there."""
+    if consumer.stats.in_flight:
+        return False
+    claims = consumer.stats.claims
+    await asyncio.sleep(0.3)
+    return consumer.stats.claims == claims and not consumer.stats.in_flight
 
 
 # -- backend connections killed repeatedly ----------------------------------------------

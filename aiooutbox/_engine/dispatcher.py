@@ -13,7 +13,7 @@ import math
 import random
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import asyncpg
@@ -81,6 +81,7 @@ class Signals:
         self.wakes = 0  # how many times `wake` was set (flow control's limited topics)
         self.slot_freed = anyio.Event()  # a handler finished
         self.stop = anyio.Event()
+        self.listener_back = anyio.Event()  # the listener (re)connected: the server is back
 
     def set_wake(self) -> None:
         self.wakes += 1
@@ -93,6 +94,13 @@ class Signals:
 
     def set_slot_freed(self) -> None:
         self.slot_freed.set()
+
+    def set_listener_back(self) -> None:
+        self.listener_back.set()
+
+    def clear_listener_back(self) -> None:
+        if self.listener_back.is_set():
+            self.listener_back = anyio.Event()
 
     def clear_wake(self) -> None:
         if self.wake.is_set():
@@ -139,6 +147,7 @@ class Dispatcher:
         # a claim failed (its reply may have been lost), or we just started (a consumer
         # restarted under a fixed worker_id may have left rows behind)
         self._reconcile = True
+        self._warned_down: float | None = None  # the listener outage last warned about
 
     @property
     def _listening(self) -> bool:
@@ -174,6 +183,7 @@ class Dispatcher:
                 await signals.slot_freed.wait()
                 continue
             signals.clear_wake()
+            signals.clear_listener_back()
             try:
                 if self._reconcile:
                     await self.take_back_orphans("whose claim reply was lost")
@@ -186,7 +196,10 @@ class Dispatcher:
                 check_permanent(exc, "claiming events")
                 self._reconcile = True
                 self._claim_failed(exc, want, backoff)
-                await _wait_for(signals.stop.wait(), backoff * (0.5 + random.random()))
+                # a listener that reconnects meanwhile shows the server is back: claim then
+                await _wait_any(
+                    (signals.stop, signals.listener_back), backoff * (0.5 + random.random())
+                )
                 backoff = min(backoff * 2, 5.0)
                 continue
             backoff = 0.05
@@ -220,6 +233,17 @@ class Dispatcher:
                 # the listener reconnected: after a server crash the unlogged idle table
                 # is empty, so producers would notify nobody until we advertise again
                 idle = False
+            # claims work again but the listener is still down (it may sit in its
+            # reconnect backoff): idle now and an event committed meanwhile waits for the
+            # poll. Have it reconnect at once and wait for that; its reconnect wakes us for
+            # one more claim, then we advertise with it up.
+            if (
+                o.listen
+                and listener is not None
+                and not listener.connected
+                and await self._listener_back(listener)
+            ):
+                continue
             # leaving the fast path: the next claim starts from the oldest entry, so a row
             # the watermark hid is never left waiting for a poll
             self.window.force_full()
@@ -242,6 +266,25 @@ class Dispatcher:
                 idle = await self._declare(busy=False)
                 advertised_at = time.monotonic()
             await _wait_for(signals.wake.wait(), await self._idle_timeout(idle))
+
+    async def _listener_back(self, listener: Listener) -> bool:
+        """Ask the listener to reconnect now and wait for it (a connect's worth of time);
+        say once per outage when it is not back."""
+        tried = listener.reconnect_now()
+        # a connect's worth of time (its timeout), or until a stop
+        await _wait_any((tried, self._signals.stop), self._o.statement_timeout)
+        if listener.connected:
+            return True
+        if self._is_stopping():
+            return False
+        if self._warned_down != listener.down_since:
+            self._warned_down = listener.down_since
+            logger.warning(
+                "claims work but the listener is still down; until it reconnects, new "
+                "events wait for the poll (poll_interval=%.1fs)",
+                self._o.poll_interval,
+            )
+        return False
 
     def _claim_failed(self, exc: BaseException, want: int, backoff: float) -> None:
         if isinstance(exc, (TimeoutError, asyncpg.QueryCanceledError)):
@@ -295,9 +338,9 @@ class Dispatcher:
                 # before the release: returning a connection to the pool resets it, a
                 # round trip the handlers need not wait for
                 if taken:
-                    self._hand_out(taken, handoff, first=True)
+                    self._hand_out(taken, handoff, started, first=True)
                 if rows:
-                    self._hand_out(rows, handoff)
+                    self._hand_out(rows, handoff, started)
         if claim_open and rest > 0:
             self._stats.claims += 1
             flow.opened(len(rows))
@@ -356,15 +399,21 @@ class Dispatcher:
             )
 
     def _hand_out(
-        self, rows: list[ClaimedRow], handoff: Handoff[list[ClaimedRow]], *, first: bool = False
+        self,
+        rows: list[ClaimedRow],
+        handoff: Handoff[list[ClaimedRow]],
+        started: float,
+        *,
+        first: bool = False,
     ) -> None:
         """Record and hand out claimed rows; ``first``: ahead of rows claimed earlier (a
         limited topic's rows count against its limit until they run)."""
-        now = time.monotonic()
-        self._arrivals.add(now, len(rows))
+        self._arrivals.add(time.monotonic(), len(rows))
         self._stats.claimed += len(rows)
         self._stats.in_flight += len(rows)
-        self._leases.hold_all(rows, now)
+        # the claim set each lease to end at its own start + lease_timeout, which came
+        # after `started`: this end is never later than the database's
+        self._leases.hold_all(rows, started + self._o.lease_timeout)
         if first:
             for run in reversed(runs_of(rows)):
                 handoff.put_first(run)
@@ -438,3 +487,20 @@ async def declare(
 async def _wait_for(awaitable: Awaitable[Any], timeout: float) -> None:
     with anyio.move_on_after(timeout):
         await awaitable
+
+
+class _Waitable(Protocol):
+    async def wait(self) -> Any: ...
+
+
+async def _wait_any(events: tuple[_Waitable, ...], timeout: float) -> None:
+    """Until one of ``events`` is set, at most ``timeout`` seconds (off the hot path)."""
+    with anyio.move_on_after(timeout):
+        async with anyio.create_task_group() as group:
+
+            async def one(event: _Waitable) -> None:
+                await event.wait()
+                group.cancel_scope.cancel()
+
+            for event in events:
+                group.start_soon(one, event)

@@ -37,6 +37,12 @@ __all__ = ["Engine"]
 
 logger = logging.getLogger("aiooutbox.consumer")
 
+# A handler starts only while its lease has at least this share of lease_timeout left
+# by the consumer's clock. Heartbeats (every third of the lease, renewing what is held
+# longer than a sixth) keep about half of it on a live loop; after a blocked loop the
+# overdue heartbeat needs one round trip to renew, which this share leaves it.
+LEASE_MARGIN = 1 / 6
+
 
 class Engine:
     """The parts of one consumer run; `run` returns once everything is settled or released.
@@ -142,6 +148,8 @@ class Engine:
                     worker_id=o.worker_id,
                     probe_interval=o.listen_probe_interval,
                     on_flow=flow.notice,
+                    on_lost=signals.set_wake,  # an idle consumer must not wait on it now
+                    on_connected=signals.set_listener_back,
                 )
                 # a stop() during the first connect must not wait for its timeout
                 with anyio.CancelScope() as self.startup_scope:
@@ -184,6 +192,7 @@ class Engine:
                 on_finished=finished,
                 on_fatal=self._on_fatal,
                 observers=self._observers,
+                lease_margin=o.lease_timeout * LEASE_MARGIN,
             )
             dispatcher = Dispatcher(
                 self._pool,
@@ -217,7 +226,7 @@ class Engine:
                 # runs handed out that no worker took (a fast stop): release them too
                 while (run := handoff.take_nowait()) is not None:
                     executor.release(run[0])
-                    self._leases.finish(run[0].id, run[0].attempts)
+                    self._leases.finish(run[0])
                     self._stats.in_flight -= 1
                     executor.give_back(run[1:])
                 await settler.close(timeout=max(o.statement_timeout, 5.0))

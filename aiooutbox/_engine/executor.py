@@ -78,6 +78,7 @@ class Executor:
         on_finished: Callable[[], None],
         on_fatal: Callable[[BaseException], None],
         observers: Observers,
+        lease_margin: float = 0.0,
     ) -> None:
         self._handlers = handlers
         self._settler = settler
@@ -91,6 +92,9 @@ class Executor:
         self._on_finished = on_finished
         self._on_fatal = on_fatal
         self._observers = observers
+        # a handler starts only if its lease lasts at least this much longer by our
+        # clock: time for the heartbeat, overdue after a blocked loop, to renew it
+        self._lease_margin = lease_margin
 
     async def execute_run(self, run: list[ClaimedRow]) -> None:
         """Run an ordered key's run of events one after another (the workers hand a
@@ -106,6 +110,12 @@ class Executor:
             except BaseException:
                 self.give_back(run[i + 1 :])
                 raise
+            if outcome == "lapsed":
+                # the lease of this run is gone (or in doubt): start none of it (see
+                # `Executor.lapsed`)
+                for later in run[i + 1 :]:
+                    self._finish(later)
+                return
             if outcome not in ("done", "dead") and i + 1 < len(run):
                 self.give_back(run[i + 1 :])
                 return
@@ -113,13 +123,55 @@ class Executor:
     def give_back(self, rows: list[ClaimedRow]) -> None:
         """Rows claimed behind a head that will not run now: back to waiting."""
         for row in rows:
-            self._settler.record(Settlement(row.id, row.attempts, Outcome.UNRUN))
+            if not self._superseded(row):
+                self._settler.record(Settlement(row.id, row.attempts, Outcome.UNRUN))
             self._finish(row)
 
+    def _superseded(self, row: ClaimedRow) -> bool:
+        """True (and logged) if this consumer claimed the row again after this claim's
+        lease lapsed: the row is the newer claim's to settle. Settlements are fenced by
+        worker and attempt, and a run member comes back with its attempt given back,
+        so this claim's outcome could otherwise land on the newer claim."""
+        if self._leases.holds(row):
+            return False
+        logger.warning(
+            "event %d (%s): outcome of attempt %d not written: its lease lapsed and this "
+            "consumer claimed the event again since",
+            row.id,
+            row.topic,
+            row.attempts,
+            extra={"event_id": row.id, "topic": row.topic, "attempt": row.attempts},
+        )
+        return True
+
     def _finish(self, row: ClaimedRow) -> None:
-        self._leases.finish(row.id, row.attempts)
+        self._leases.finish(row)
         self._stats.in_flight -= 1
         self._on_finished()
+
+    def lapsed(self, row: ClaimedRow) -> str:
+        """Give up a claim whose lease may be gone before its handler starts.
+
+        Its lease ends within the margin by our clock, was found lost by the heartbeat,
+        or the row was claimed again since: the event loop was blocked past the lease (a
+        handler's synchronous work), and another consumer may already run the event,
+        and the events of its key after it. Nothing is written: an outcome fenced by
+        worker and attempt could land on a later claim of the same row by this consumer
+        (a run member's attempt is given back with it), and a release by worker id
+        could take part of a key's run and leave the rest for recovery to make a second
+        head of. The rows come back as a crashed worker's do, through lease recovery,
+        all of a key's together: their lease has lapsed already, or will within the
+        margin.
+        """
+        logger.warning(
+            "event %d (%s): not started, its lease lapsed first (was the event loop "
+            "blocked for longer than the lease?); it comes back through lease recovery, "
+            "with the later events of its key claimed with it",
+            row.id,
+            row.topic,
+            extra={"event_id": row.id, "topic": row.topic, "attempt": row.attempts},
+        )
+        return "lapsed"
 
     async def execute(self, row: ClaimedRow) -> str:
         """Run ``row``'s handler; return the outcome (done, retry, dead, released, ...).
@@ -131,6 +183,8 @@ class Executor:
             if self._is_stopping():
                 self.release(row)
                 return "released"
+            if not self._leases.startable(row, time.monotonic() + self._lease_margin):
+                return self.lapsed(row)
             if row.size > _THREAD_DECODE_CHARS:
                 event = await self._event_in_thread(row)
             else:
@@ -180,7 +234,10 @@ class Executor:
                 )
                 self._on_fatal(exc)
             else:
-                self._settler.done(row.id, row.attempts)
+                # the usual case (no claim ever replaced another) costs one attribute
+                leases = self._leases
+                if not leases.replaced or leases.holds(row) or not self._superseded(row):
+                    self._settler.done(row.id, row.attempts)
                 self._stats.done += 1
                 if observing:
                     observers.settled(row.topic, "done")
@@ -238,6 +295,8 @@ class Executor:
         self._stats.released += 1
         if self._observers:
             self._observers.settled(row.topic, "released")
+        if self._superseded(row):
+            return
         self._settler.record(
             Settlement(
                 row.id,
@@ -301,7 +360,8 @@ class Executor:
                 then,
                 extra=extra,
             )
-        self._settler.record(Settlement(row.id, row.attempts, outcome, delay, error, blocks))
+        if not self._superseded(row):
+            self._settler.record(Settlement(row.id, row.attempts, outcome, delay, error, blocks))
         if self._observers:
             self._observers.settled(row.topic, "dead" if dead else "retry")
         # a dead event of a key that blocks stops its run, as a retry does

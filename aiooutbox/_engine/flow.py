@@ -96,7 +96,7 @@ class Flow:
         self.paused_all = False
         self.version = 0  # bumped whenever the controls read differ
         self._held: dict[str, _Held] = {}
-        self._mine: dict[str, dict[int, int]] = {}  # max_running topic -> {id: attempts}
+        self._mine: dict[str, dict[int, ClaimedRow]] = {}  # max_running topic -> {id: claim}
         # a topic at its max_running waits for a row this consumer holds: its outcome
         # is worth writing at once (read for every finished event)
         self.slot_wait = False
@@ -214,7 +214,7 @@ class Flow:
             return 0
         unwritten = set(self._unsettled())
         holds = self._leases.holds
-        finished = [i for i, a in mine.items() if not holds(i, a) and i not in unwritten]
+        finished = [i for i, row in mine.items() if not holds(row) and i not in unwritten]
         for i in finished:
             del mine[i]
         return len(finished)
@@ -309,7 +309,7 @@ class Flow:
                 rows.append(row)
                 c = self._controls.get(row.topic)
                 if c is not None and c.max_running is not None:
-                    self._mine.setdefault(row.topic, {})[row.id] = row.attempts
+                    self._mine.setdefault(row.topic, {})[row.id] = row
                 continue
             why, retry_in = r["held"], r["retry_in"]
             if why == "rate":

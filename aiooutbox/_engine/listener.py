@@ -6,6 +6,12 @@ a bad DSN fails `run()` at once, then reconnects with capped, jittered backoff. 
 keep-alive query detects a silently dead link. Every (re)connect wakes the consumer,
 because notifications sent while disconnected are lost.
 
+While the listener is down, notifications are lost, so a consumer never waits on it
+then: losing the connection wakes the consumer (``on_lost``), a reconnect wakes it
+again and cuts a claim's backoff short (``on_connected``: the server is back), and a
+consumer whose claims work again while the listener still sits in its backoff asks it to
+try at once (`reconnect_now`) and waits for that try before going idle.
+
 A link can also stay up while notifications no longer arrive (a middlebox, a stalled
 socket, a server-side cancel), so the listener proves it hears: every probe interval
 it sends, through the pool as a producer would, one notification on its own channel
@@ -67,6 +73,8 @@ class Listener:
         worker_id: str = "",
         probe_interval: float | None = None,
         on_flow: Callable[[], None] | None = None,
+        on_lost: Callable[[], None] = lambda: None,
+        on_connected: Callable[[], None] = lambda: None,
     ) -> None:
         self._pool = pool
         self._channel = channel
@@ -82,6 +90,11 @@ class Listener:
         self._probe_numbers = itertools.count(1)
         self._probe_waiting: str | None = None
         self._probe_heard = asyncio.Event()
+        self._on_lost = on_lost
+        self._on_connected = on_connected
+        self._try_now = asyncio.Event()  # cuts the wait before the next reconnect short
+        self._tried = asyncio.Event()  # set when a connection attempt ends, either way
+        self.down_since: float | None = None  # monotonic; None while connected
         self.connected = False
         self.reconnects = 0
         self.probes_sent = 0
@@ -107,6 +120,17 @@ class Listener:
             return  # another consumer's probe, or one of ours that came back too late
         if self._topics is None or topic in self._topics:
             self._on_wake()
+
+    def reconnect_now(self) -> asyncio.Event:
+        """Try to reconnect at once rather than at the end of the backoff (the pool
+        reaches the server again, so it is probably back). Returns an event set once
+        that try has ended, either way (at once if the listener is up)."""
+        tried = self._tried = asyncio.Event()
+        if self.connected:
+            tried.set()
+        else:
+            self._try_now.set()
+        return tried
 
     @property
     def probe_timeout(self) -> float:
@@ -135,30 +159,44 @@ class Listener:
                 if not started:
                     check_permanent(exc, "the listener's LISTEN")  # e.g. a read-only standby
                     raise
+                self._tried.set()
                 logger.warning(
                     "listener reconnect failed (%s); next try in %.1fs",
                     exception_summary(exc),
                     delay,
                 )
-                await anyio.sleep(delay * (0.5 + random.random()))
+                self._try_now.clear()
+                with anyio.move_on_after(delay * (0.5 + random.random())):
+                    await self._try_now.wait()
                 delay = min(delay * 2, 10.0)
                 continue
             try:
                 self.connected = True
+                self._tried.set()
                 if started:
                     self.reconnects += 1
-                    logger.info("listener reconnected; claiming at once to catch up")
+                    down = time.monotonic() - (self.down_since or time.monotonic())
+                    logger.info(
+                        "listener reconnected after %.1fs down; claiming at once to catch up",
+                        down,
+                        extra={"down_seconds": round(down, 3)},
+                    )
                 else:
                     started = True
                     task_status.started()
+                self.down_since = None
                 delay = 0.1
                 if self._on_flow is not None:  # a change may have been announced meanwhile
                     self._on_flow()
                 self._on_wake()
+                self._on_connected()
                 if await self._watch(conn, lost):
                     logger.warning("listener connection lost; reconnecting")
             finally:
                 self.connected = False
+                self.down_since = time.monotonic()
+                # notifications are lost until it is back: the consumer must not wait on it
+                self._on_lost()
                 with anyio.CancelScope(shield=True):
                     await _close_quietly(conn)
 

@@ -61,39 +61,49 @@ class Maintenance:
         self.sweeps = 0  # orphan sweeps completed
 
     async def heartbeat_loop(self) -> None:
-        """Extend the leases of handlers that run longer than a third of the lease."""
+        """Extend the leases of handlers that run longer than a sixth of the lease."""
         interval = self._lease_timeout / 3
         while True:
             await anyio.sleep(interval * random.uniform(0.8, 1.0))
-            now = time.monotonic()
-            due = self._leases.due(interval)
-            if not due:
-                continue
-            try:
-                kept = await bounded(
-                    self._pool,
-                    "fetch",
-                    self._q.extend_leases,
-                    due,
-                    self._worker_id,
-                    self._lease_timeout,
-                    timeout=self._timeout,
+            # before the statement: the lease it sets ends no earlier than this + lease
+            await self.renew_due(time.monotonic())
+
+    async def renew_due(self, now: float) -> None:
+        """One heartbeat at ``now`` (monotonic): extend the leases extended at least a
+        sixth of the lease ago; record which are renewed and which are lost.
+
+        Beats come every third of the lease, so a lease keeps about half of it at worst
+        (less the beat's own delay): a handler starts only with a sixth to spare (see
+        `Executor`), and a busy loop must not make the workers give claims up."""
+        due = self._leases.due(now + self._lease_timeout * 5 / 6)
+        if not due:
+            return
+        try:
+            kept = await bounded(
+                self._pool,
+                "fetch",
+                self._q.extend_leases,
+                [row.id for row in due],
+                self._worker_id,
+                self._lease_timeout,
+                timeout=self._timeout,
+            )
+        except TRANSIENT_ERRORS as exc:
+            check_permanent(exc, "extending leases")
+            logger.warning("lease heartbeat failed (%s)", exception_summary(exc))
+            return
+        alive = {(r[0], r[1]) for r in kept}
+        ends = now + self._lease_timeout
+        for row in due:
+            if (row.id, row.attempts) in alive:
+                self._leases.renewed(row, ends)
+            elif self._leases.lost(row):
+                logger.warning(
+                    "event %d: lease lost (it expired and the event was recovered); a "
+                    "handler still running for it has its outcome ignored, none will start",
+                    row.id,
+                    extra={"event_id": row.id},
                 )
-            except TRANSIENT_ERRORS as exc:
-                check_permanent(exc, "extending leases")
-                logger.warning("lease heartbeat failed (%s)", exception_summary(exc))
-                continue
-            alive = {r[0] for r in kept}
-            for event_id in due:
-                if event_id in alive:
-                    self._leases.renewed(event_id, now)
-                elif event_id in self._leases:
-                    logger.warning(
-                        "event %d: lease lost while its handler runs; its outcome will be ignored",
-                        event_id,
-                        extra={"event_id": event_id},
-                    )
-                    self._leases.lost(event_id)
 
     async def recovery_loop(self) -> None:
         """Recover expired leases; purge old ``done`` rows and stale idle adverts."""

@@ -303,12 +303,13 @@ class Queries(MonitoringStatements):
 
     @property
     def extend_leases(self) -> str:
-        # $1 ids, $2 worker id, $3 lease seconds
+        # $1 ids, $2 worker id, $3 lease seconds; rows (id, attempts) still held, so the
+        # caller can tell its claim from a later claim of the same row
         return (
             f"UPDATE {self.qualified}"
             " SET lease_expires_at = now() + make_interval(secs => $3::float8)"
             " WHERE id = ANY ($1::bigint[]) AND status = 'processing' AND locked_by = $2"
-            " RETURNING id"
+            " RETURNING id, attempts"
         )
 
     @property

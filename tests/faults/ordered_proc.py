@@ -1,10 +1,11 @@
 """An ordered-delivery consumer process: ``python -m tests.faults.ordered_proc '<json>'``.
 
 Config: ``{"dsn": ..., "worker_id": ..., "concurrency": 64, "fail_rate": 0.1,
-"lease_timeout": 3}``. Every handler run is recorded in ``runs`` (a row inserted when it
-starts, completed when it ends, both autocommitted), so the test can check with SQL that
-no two runs of one key overlapped and each ran after its predecessors. Prints READY once
-consuming; SIGTERM stops it gracefully.
+"lease_timeout": 3, "handler_seconds": null}`` (``handler_seconds``: each run takes this
+long; by default a few random milliseconds). Every handler run is recorded in ``runs``
+(a row inserted when it starts, completed when it ends, both autocommitted), so the test
+can check with SQL that no two runs of one key overlapped and each ran after its
+predecessors. Prints READY once consuming; SIGTERM stops it gracefully.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ RUNS_DDL = (
 
 async def main(config: dict[str, Any]) -> None:
     rate = float(config.get("fail_rate", 0.1))
+    seconds = config.get("handler_seconds")
     worker = config["worker_id"]
     async with asyncpg.create_pool(config["dsn"], min_size=2, max_size=12) as pool:
 
@@ -43,7 +45,7 @@ async def main(config: dict[str, Any]) -> None:
                 worker,
                 event.attempts,
             )
-            await asyncio.sleep(random.random() * 0.004)
+            await asyncio.sleep(random.random() * 0.004 if seconds is None else float(seconds))
             fail = event.attempts == 1 and random.random() < rate
             await pool.execute(
                 "UPDATE runs SET ended = clock_timestamp(), outcome = $2 WHERE run = $1",
