@@ -82,6 +82,7 @@ class Overview:
     table_rows: Count
     extra_columns: list[tuple[str, str]] = field(default_factory=list)
     all_paused: bool = False  # `aiooutbox.admin.pause_all` holds every topic
+    flow_unreadable: str | None = None  # why the flow columns are missing
 
 
 async def _sample(conn: Any, w: WebQueries) -> tuple[float, bool, list[Any]]:
@@ -165,14 +166,22 @@ async def overview(conn: Any, w: WebQueries) -> Overview:
         row(topic).lag = lag if lag is not None and lag >= 0 else None
 
     # 4. flow control: the controls table holds a row per paused or limited topic
-    all_paused = await _flow_controls(conn, w, topics, row)
+    try:
+        all_paused, flow_unreadable = await _flow_controls(conn, w, topics, row), None
+    except asyncpg.InsufficientPrivilegeError:
+        all_paused = False
+        flow_unreadable = (
+            f"this dashboard's database role may not read {w.outbox.table}_flow: GRANT SELECT"
+            " on it to show each topic's pause and limits"
+        )
 
     workers, listeners, hidden = await _consumers(conn, w)
     mvcc = await inspect_mvcc(conn, q)
     rows = sorted(topics.values(), key=lambda r: r.topic)
     o = _overview(rows, hourly_counts, workers, listeners, hidden, mvcc)
-    o.extra_columns = list(FLOW_COLUMNS)
-    o.all_paused = all_paused
+    if flow_unreadable is None:
+        o.extra_columns = list(FLOW_COLUMNS)
+    o.all_paused, o.flow_unreadable = all_paused, flow_unreadable
     return o
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -275,4 +276,39 @@ async def test_hostile_topic_names_in_the_flow_columns_render_as_text(dsn: str) 
                     url
                 ).path.startswith("/static/"), url
     finally:
+        await conn.close()
+
+
+async def test_a_role_that_may_not_read_the_controls_still_sees_the_overview(dsn: str) -> None:
+    """The viewer grants of the previous release (no SELECT on the controls table): the
+    overview renders without the flow columns and says which grant is missing."""
+    from aiooutbox.web import create_app
+    from tests.test_roles import as_user
+
+    role = f"aiooutbox_oldviewer_{uuid.uuid4().hex[:10]}"
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(f'CREATE ROLE "{role}" LOGIN')
+        await conn.execute(f'GRANT USAGE ON SCHEMA public TO "{role}"')
+        await conn.execute(
+            "GRANT SELECT ON outbox_events, outbox_events_idle, outbox_events_audit,"
+            f' outbox_events_migrations, outbox_events_migrations_compat TO "{role}"'
+        )
+        await aiooutbox.enqueue(conn, "t", {})
+        await admin.pause_topic(conn, "t")
+        pool = await asyncpg.create_pool(as_user(dsn, role), min_size=1, max_size=2)
+        try:
+            app = create_app(pool=pool, read_only=True)
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                r = await client.get("/")
+            await app.state.dashboard.aclose()
+        finally:
+            await pool.close()
+        assert r.status_code == 200, r.text[-2000:]
+        assert "may not read outbox_events_flow" in r.text
+        assert 'data-topic="t"' in r.text and "data-flow=" not in r.text
+    finally:
+        await conn.execute(f'DROP OWNED BY "{role}"')
+        await conn.execute(f'DROP ROLE IF EXISTS "{role}"')
         await conn.close()
