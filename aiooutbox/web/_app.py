@@ -20,7 +20,7 @@ from starlette.routing import Mount
 from starlette.staticfiles import StaticFiles
 
 from .._sql.statements import DEFAULT_SCHEMA, DEFAULT_TABLE
-from . import _actions, _pages
+from . import _actions, _flow, _pages
 from ._auth import (
     SESSION_COOKIE,
     BasicAuth,
@@ -148,6 +148,7 @@ def create_app(
     routes = [
         *_pages.routes(),
         *_actions.routes(),
+        *_flow.routes(),
         Mount("/static", app=StaticFiles(packages=[("aiooutbox.web", "static")]), name="static"),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)

@@ -12,6 +12,7 @@ import asyncpg
 
 from .._admin.records import STATUSES
 from .._engine.watchdog import MvccReport, inspect_mvcc
+from .._sql.flow import ALL_TOPICS, flow_queries
 from ._counts import BOUND, Count, bounded, estimate_rows, estimated, exact
 from ._filters import PAGE, WINDOW, EventFilter
 from ._sql import WebQueries
@@ -80,6 +81,8 @@ class Overview:
     mvcc: MvccReport
     table_rows: Count
     extra_columns: list[tuple[str, str]] = field(default_factory=list)
+    all_paused: bool = False  # `aiooutbox.admin.pause_all` holds every topic
+    flow_unreadable: str | None = None  # why the flow columns are missing
 
 
 async def _sample(conn: Any, w: WebQueries) -> tuple[float, bool, list[Any]]:
@@ -162,10 +165,46 @@ async def overview(conn: Any, w: WebQueries) -> Overview:
     for topic, lag in await conn.fetch(w.topic_lags):
         row(topic).lag = lag if lag is not None and lag >= 0 else None
 
+    # 4. flow control: the controls table holds a row per paused or limited topic
+    try:
+        all_paused, flow_unreadable = await _flow_controls(conn, w, topics, row), None
+    except asyncpg.InsufficientPrivilegeError:
+        all_paused = False
+        flow_unreadable = (
+            f"this dashboard's database role may not read {w.outbox.table}_flow: GRANT SELECT"
+            " on it to show each topic's pause and limits"
+        )
+
     workers, listeners, hidden = await _consumers(conn, w)
     mvcc = await inspect_mvcc(conn, q)
     rows = sorted(topics.values(), key=lambda r: r.topic)
-    return _overview(rows, hourly_counts, workers, listeners, hidden, mvcc)
+    o = _overview(rows, hourly_counts, workers, listeners, hidden, mvcc)
+    if flow_unreadable is None:
+        o.extra_columns = list(FLOW_COLUMNS)
+    o.all_paused, o.flow_unreadable = all_paused, flow_unreadable
+    return o
+
+
+FLOW_COLUMNS = (("flow", "flow"), ("max_running", "max running"), ("rate", "rate"))
+
+
+async def _flow_controls(conn: Any, w: WebQueries, topics: dict[str, TopicRow], row: Any) -> bool:
+    """Fill the flow columns of every controlled topic (adding the topics that have
+    no events yet); whether every topic is paused. One read of the small controls table."""
+    everything = False
+    for c in await conn.fetch(flow_queries(w.outbox.schema, w.outbox.table).all_controls):
+        if c["topic"] == ALL_TOPICS:
+            everything = bool(c["paused"])
+            continue
+        extra = row(c["topic"]).extra
+        extra["flow"] = "paused" if c["paused"] else ""
+        extra["max_running"] = "" if c["max_running"] is None else str(c["max_running"])
+        extra["rate"] = c["rate_text"] or ""
+    for r in topics.values():
+        r.extra.setdefault("flow", "")
+        if everything and not r.extra["flow"]:
+            r.extra["flow"] = "paused (every topic)"
+    return everything
 
 
 async def consumers(conn: Any, w: WebQueries) -> Overview:
