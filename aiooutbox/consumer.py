@@ -18,13 +18,13 @@ import anyio
 import asyncpg
 from anyio.abc import TaskStatus
 
-from ._engine.dispatcher import Signals
 from ._engine.engine import Engine
 from ._engine.leases import Leases
 from ._engine.listener import Listener
 from ._engine.options import DEFAULT_MAX_CLAIM_BYTES, ConsumerOptions
 from ._engine.rows import ConsumerStats
 from ._engine.settler import Settler
+from ._engine.signals import Signals
 from ._engine.watchdog import MvccReport
 from ._sql.db import PermanentDatabaseError
 from ._sql.statements import DEFAULT_SCHEMA, DEFAULT_TABLE

@@ -30,6 +30,7 @@ from .listener import Listener
 from .options import ConsumerOptions
 from .rows import ClaimedRow, ConsumerStats
 from .settler import Settler
+from .signals import Signals
 
 __all__ = ["Dispatcher", "Signals"]
 
@@ -71,44 +72,6 @@ def runs_of(rows: list[ClaimedRow]) -> list[list[ClaimedRow]]:
         members.sort(key=lambda r: (not r.is_head, r.id))
         runs.append(members)
     return runs
-
-
-class Signals:
-    """Events shared by the consumer's parts; one primitive, `anyio.Event`, re-armed."""
-
-    def __init__(self) -> None:
-        self.wake = anyio.Event()  # a notification, a recovery, a stop, a retry written
-        self.wakes = 0  # how many times `wake` was set (flow control's limited topics)
-        self.slot_freed = anyio.Event()  # a handler finished
-        self.stop = anyio.Event()
-        self.listener_back = anyio.Event()  # the listener (re)connected: the server is back
-
-    def set_wake(self) -> None:
-        self.wakes += 1
-        self.wake.set()
-
-    def retry_written(self, _due_in: float) -> None:
-        """A retry was written: an UPDATE notifies no one, so look again (the idle wait
-        is then cut to when it becomes due)."""
-        self.set_wake()
-
-    def set_slot_freed(self) -> None:
-        self.slot_freed.set()
-
-    def set_listener_back(self) -> None:
-        self.listener_back.set()
-
-    def clear_listener_back(self) -> None:
-        if self.listener_back.is_set():
-            self.listener_back = anyio.Event()
-
-    def clear_wake(self) -> None:
-        if self.wake.is_set():
-            self.wake = anyio.Event()
-
-    def clear_slot_freed(self) -> None:
-        if self.slot_freed.is_set():
-            self.slot_freed = anyio.Event()
 
 
 class Dispatcher:

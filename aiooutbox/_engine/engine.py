@@ -22,7 +22,7 @@ from .._sql.db import TRANSIENT_ERRORS
 from .._values.text import exception_summary
 from ..handlers import Handler
 from ..observe import Observers
-from .dispatcher import Dispatcher, Signals, declare
+from .dispatcher import Dispatcher, declare
 from .executor import Executor
 from .handoff import Handoff
 from .leases import Leases
@@ -31,6 +31,7 @@ from .maintenance import Maintenance
 from .options import ConsumerOptions
 from .rows import ClaimedRow, ConsumerStats
 from .settler import Settler
+from .signals import Signals
 from .watchdog import Watchdog
 
 __all__ = ["Engine"]

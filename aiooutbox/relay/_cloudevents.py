@@ -25,7 +25,7 @@ from urllib.parse import quote
 
 from ..errors import InvalidArgument
 from ..events import Event
-from ._sink import Message, ordering_key, payload_body
+from ._message import Message, ordering_key, payload_body
 
 __all__ = ["FORMATS", "CloudEvents", "check_format", "check_source", "default_source"]
 

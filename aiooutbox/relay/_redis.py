@@ -14,12 +14,8 @@ from datetime import timedelta
 from typing import Any
 
 from .._values.limits import check_count
-from ._sink import (
-    Message,
-    Sink,
-    payload_body,
-    require,
-)
+from ._message import Message, payload_body
+from ._sink import Sink, require
 
 __all__ = ["RedisSink"]
 

@@ -20,12 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import json
 import logging
-import string
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
 from typing import Any, ClassVar
@@ -34,23 +30,22 @@ from .._values.limits import check_seconds
 from .._values.text import describe_exception, exception_message
 from ..errors import Dead, InvalidArgument, OutboxError
 from ..events import Event
+from ._cloudevents import CloudEvents, check_format, check_source
+from ._message import (
+    Message,
+    check_template,
+    render_destination,
+    shown,
+)
 
 __all__ = ["BrokerUnavailable", "Message", "Sink", "SinkClosed", "render_destination"]
 
 logger = logging.getLogger("aiooutbox.relay")
 
-_FIELDS = frozenset({"topic", "ordering_key"})
 #: how many destinations a sink remembers the check of
 _REMEMBERED = 4096
 #: the event a destination template is checked with when a sink is made
 _SAMPLE = Event(0, "t", None, None, ordering_key="k")
-
-#: the broker headers (or properties, or stream fields) every sink adds to the event's own
-TOPIC_HEADER = "outbox-topic"
-EVENT_ID_HEADER = "outbox-event-id"
-MESSAGE_ID_HEADER = "outbox-message-id"
-DEDUPE_KEY_HEADER = "outbox-dedupe-key"
-ORDERING_KEY_HEADER = "outbox-ordering-key"
 
 
 class BrokerUnavailable(OutboxError):
@@ -65,125 +60,6 @@ class _State(enum.Enum):
     NEW = "new"
     OPEN = "open"
     CLOSED = "closed"
-
-
-def check_template(template: object, what: str = "destination") -> str:
-    """A ``str.format`` template using only ``{topic}`` and ``{ordering_key}``."""
-    if not isinstance(template, str):
-        raise TypeError(f"{what} must be a str template such as '{{topic}}', not {template!r}")
-    try:
-        fields = [f for _, f, spec, conv in string.Formatter().parse(template) if f is not None]
-    except ValueError as exc:
-        raise InvalidArgument(
-            f"{what} {template!r} is not a valid template: {exception_message(exc)}"
-        ) from None
-    unknown = sorted(set(fields) - _FIELDS)
-    if unknown:
-        raise InvalidArgument(
-            f"{what} {template!r} names {', '.join(unknown)}; only {{topic}} and "
-            "{ordering_key} are available"
-        )
-    if not template.strip():
-        raise InvalidArgument(f"{what} must not be blank")
-    return template
-
-
-def shown(destination: str) -> str:
-    """``destination`` quoted for a message, the middle of a long one elided."""
-    if len(destination) <= 120:
-        return repr(destination)
-    return repr(destination[:80]) + "..." + repr(destination[-30:])
-
-
-def ordering_key(event: Event) -> str | None:
-    """The event's ordering key, on libraries with and without per-key order."""
-    key = getattr(event, "ordering_key", None)
-    return key if isinstance(key, str) else None
-
-
-def render_destination(template: str, event: Event) -> str:
-    """The subject, routing key, topic or stream ``event`` goes to; `Dead` if it cannot."""
-    key = ordering_key(event)
-    if key is None and "ordering_key" in template:
-        raise Dead(f"destination {template!r} needs an ordering_key; the event has none")
-    return template.format(topic=event.topic, ordering_key=key or "")
-
-
-def _stdlib_body(payload: Any) -> bytes:
-    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
-
-
-def _pick_body() -> Callable[[Any], bytes]:
-    """orjson when installed (``aiooutbox[speedups]``): the stdlib encoder cost ~5% of a
-    relay's CPU. Its output is the same compact JSON; anything it refuses (an int past
-    64 bits, a key that is not a str) falls back to the stdlib."""
-    try:
-        import orjson
-    except ImportError:
-        return _stdlib_body
-    dumps = orjson.dumps
-
-    def body(payload: Any) -> bytes:
-        try:
-            encoded: bytes = dumps(payload)
-        except TypeError:
-            return _stdlib_body(payload)
-        return encoded
-
-    return body
-
-
-payload_body = _pick_body()
-
-
-def _header_value(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-
-
-@dataclass(frozen=True, slots=True)
-class Message:
-    """What one event becomes on any broker: a destination, JSON bytes and headers."""
-
-    destination: str
-    body: bytes
-    message_id: str
-    headers: dict[str, str]
-    key: str | None
-    event: Event
-    content_type: str = "application/json"
-
-    @classmethod
-    def of(
-        cls,
-        event: Event,
-        template: str,
-        render: Callable[[str, Event], str] | None = None,
-    ) -> Message:
-        """The message for ``event``; ``render`` fills the destination template (default
-        `render_destination`)."""
-        if not event.message_id:
-            raise Dead("the event has no message_id; migrate the outbox schema")
-        body = payload_body(event.payload)
-        own = event.headers
-        headers = {str(k): _header_value(v) for k, v in own.items()} if own else {}
-        headers[TOPIC_HEADER] = event.topic
-        headers[EVENT_ID_HEADER] = str(event.id)
-        headers[MESSAGE_ID_HEADER] = event.message_id
-        if event.dedupe_key is not None:
-            headers[DEDUPE_KEY_HEADER] = event.dedupe_key
-        key = ordering_key(event)
-        if key is not None:
-            headers[ORDERING_KEY_HEADER] = key
-        # the default template is the topic itself: no format() per event
-        if render is not None:
-            destination = render(template, event)
-        elif template == "{topic}":
-            destination = event.topic
-        else:
-            destination = render_destination(template, event)
-        return cls(destination, body, event.message_id, headers, key, event)
 
 
 class Sink:
@@ -418,7 +294,6 @@ class Sink:
 
 def _cloudevents_for(sink: Sink, format: str, source: str | None) -> Any:
     """The CloudEvents encoder of a sink's ``format`` (None: the default format)."""
-    from ._cloudevents import CloudEvents, check_format, check_source
 
     if check_format(format) == "outbox":
         if source is not None:

@@ -28,7 +28,8 @@ from urllib.parse import quote
 
 from ..errors import Dead, InvalidArgument, Retry
 from ..events import Event
-from ._sink import Message, Sink, check_template, ordering_key, require
+from ._message import Message, check_template, ordering_key
+from ._sink import Sink, require
 
 __all__ = ["WebhookError", "WebhookSink", "sign"]
 
