@@ -35,7 +35,7 @@ import asyncpg
 
 import aiooutbox
 from aiooutbox.relay import NatsSink, RabbitMQSink, Sink
-from aiooutbox.relay._sink import payload_body
+from aiooutbox.relay._message import payload_body
 
 from .common import drop_database, median, ratio, recreate_database, summarize_ms
 
