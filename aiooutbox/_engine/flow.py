@@ -29,8 +29,9 @@ import anyio
 import asyncpg
 from anyio.abc import TaskStatus
 
-from .._sql.db import TRANSIENT_ERRORS, bounded, check_permanent
+from .._sql.db import TRANSIENT_ERRORS, PermanentDatabaseError, bounded, check_permanent
 from .._sql.flow import ALL_TOPICS, FlowQueries, flow_queries
+from .._values.text import exception_summary
 from .leases import Leases
 from .options import ConsumerOptions
 from .rows import ClaimedRow
@@ -116,8 +117,20 @@ class Flow:
         """Read the controls now (a failure here fails the start), then keep them fresh."""
         try:
             await self.refresh()
+        except asyncpg.InsufficientPrivilegeError as exc:
+            # the grant added with flow control: name the statement that fixes it
+            role = await bounded(
+                self._pool,
+                "fetchval",
+                "SELECT quote_ident(current_user)",
+                timeout=self._o.statement_timeout,
+            )
+            grant = f"GRANT SELECT, UPDATE ON {self._fq.controls_table} TO {role};"
+            raise PermanentDatabaseError(
+                f"reading the topic controls failed: {exception_summary(exc)}; run {grant}"
+            ) from None
         except TRANSIENT_ERRORS as exc:
-            check_permanent(exc, "reading the topic controls")  # e.g. a missing grant
+            check_permanent(exc, "reading the topic controls")
             raise
         task_status.started()
         while True:
