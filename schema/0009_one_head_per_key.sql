@@ -1,0 +1,495 @@
+-- aiooutbox 0009: one run per key at every isolation level; inserts set only what a
+-- producer owns.
+-- compatible-with: 2
+--
+-- Placeholders: schema, table and channel, in double braces (see 0001).
+--
+-- Consumers of schema 2 keep working: they insert, claim and settle unordered events
+-- as before (a new event they insert is pending with its defaults). The functions
+-- replaced here keep their signatures and results. Replaced: the ordering trigger's
+-- function, `claim_v6`, `settle_failed_v5`, `requeue_v5`; a later migration that
+-- replaces one of them starts from the body below. The one-head index is rebuilt:
+-- CREATE INDEX blocks writes to the table while it reads it.
+--
+-- 1. A producer at REPEATABLE READ or SERIALIZABLE reads the key through its
+--    transaction's snapshot, which may predate the key's current events: it inserted a
+--    second head while the first was `processing`, and both ran at once (0005's unique
+--    index held only pending and retry rows). Now every key with a run under way keeps
+--    one of its `processing` rows in that index (`holds_key`: the head claimed alone, or
+--    the last row of the run claimed behind it, which runs last), so a head inserted
+--    beside it is refused with a unique violation whatever the snapshot. The trigger
+--    also makes sure that a row it puts behind an event of the key is behind one that is
+--    still unfinished: a snapshot can show an event that has finished since (the new row
+--    would then wait for a promotion that already happened); when no row it sees is
+--    provably current (untouched since it was written: `xmax` 0 or its writer's) it raises a
+--    serialization failure, which those isolation levels ask callers to retry anyway.
+--    READ COMMITTED producers decide as before (their statement's snapshot follows the
+--    key's lock) and never see either error.
+-- 2. A raw INSERT could set `status` ('processing': never handled, recovered or made
+--    dead, and its key blocked for ever; 'waiting': handled by nobody or only after a
+--    restart; 'done'/'dead'/'retry'), `attempts` (INT_MAX failed every claim of its
+--    topic), the lease and finish columns, `last_error`, `blocks_key`, headers that are
+--    not a JSON object (dead at the first claim) and `available_at = 'infinity'` (never
+--    due). A new event is pending: such rows are refused with a check violation that
+--    names the columns (docs/producers.md lists every column and who owns it).
+
+ALTER TABLE "{{schema}}"."{{table}}" ADD COLUMN holds_key BOOLEAN NOT NULL DEFAULT false;
+
+-- runs under way as the migration runs: their highest processing row stands for the key
+-- (unless the key already has a claimable row, which then does)
+UPDATE "{{schema}}"."{{table}}" AS e SET holds_key = true
+FROM (SELECT max(p.id) AS id FROM "{{schema}}"."{{table}}" p
+      WHERE p.status = 'processing' AND p.ordering_key IS NOT NULL
+        AND NOT EXISTS (SELECT 1 FROM "{{schema}}"."{{table}}" c
+                        WHERE c.ordering_key = p.ordering_key AND c.status IN ('pending', 'retry'))
+      GROUP BY p.ordering_key) AS top
+WHERE e.id = top.id;
+
+-- at most one event per key is claimable or stands for a run under way
+CREATE UNIQUE INDEX "{{table}}_key_head_new_idx" ON "{{schema}}"."{{table}}" (ordering_key)
+    WHERE ordering_key IS NOT NULL
+      AND (status IN ('pending', 'retry') OR (status = 'processing' AND holds_key));
+DROP INDEX "{{schema}}"."{{table}}_key_head_idx";
+ALTER INDEX "{{schema}}"."{{table}}_key_head_new_idx" RENAME TO "{{table}}_key_head_idx";
+
+-- What a producer may not set: named in the error, so the fix is obvious. The trigger's
+-- WHEN clause is the whole cost of a good row (no function call).
+CREATE FUNCTION "{{schema}}"."{{table}}_refuse_insert"() RETURNS trigger
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    wrong TEXT[] := '{}';
+BEGIN
+    IF NEW.status OPERATOR(pg_catalog.<>) 'pending' THEN
+        wrong := wrong || pg_catalog.format('status %L (a new event is pending)', NEW.status);
+    END IF;
+    IF NEW.attempts OPERATOR(pg_catalog.<>) 0 THEN
+        wrong := wrong || pg_catalog.format('attempts %s (0: consumers count them)', NEW.attempts);
+    END IF;
+    IF NEW.locked_by IS NOT NULL OR NEW.locked_at IS NOT NULL OR NEW.lease_expires_at IS NOT NULL THEN
+        wrong := wrong || 'locked_by, locked_at, lease_expires_at (a consumer''s lease)'::text;
+    END IF;
+    IF NEW.finished_at IS NOT NULL THEN
+        wrong := wrong || 'finished_at (set when the event is done or dead)'::text;
+    END IF;
+    IF NEW.last_error IS NOT NULL THEN
+        wrong := wrong || 'last_error (a handler''s error)'::text;
+    END IF;
+    IF NEW.blocks_key OR NEW.holds_key THEN
+        wrong := wrong || 'blocks_key, holds_key (the ordering of a key''s events)'::text;
+    END IF;
+    IF pg_catalog.jsonb_typeof(NEW.headers) OPERATOR(pg_catalog.<>) 'object' THEN
+        wrong := wrong || pg_catalog.format('headers %s (must be a JSON object)',
+                                            pg_catalog.left(NEW.headers::text, 40));
+    END IF;
+    IF NEW.available_at OPERATOR(pg_catalog.=) 'infinity'::timestamptz THEN
+        wrong := wrong || 'available_at ''infinity'' (never due: the event would never run)'::text;
+    END IF;
+    RAISE EXCEPTION USING
+        ERRCODE = 'check_violation',
+        MESSAGE = pg_catalog.format('%s: a new event cannot set %s', TG_TABLE_NAME,
+                                    pg_catalog.array_to_string(wrong, '; ')),
+        HINT = 'Insert topic and payload, and if you like headers, dedupe_key, ordering_key,'
+            ' max_attempts, available_at, message_id, created_at; leave the other columns'
+            ' to their defaults.',
+        TABLE = TG_TABLE_NAME,
+        SCHEMA = TG_TABLE_SCHEMA;
+END
+$fn$;
+
+-- fires before "<table>_order" (triggers of one kind fire in name order)
+CREATE TRIGGER "{{table}}_insert_check"
+    BEFORE INSERT ON "{{schema}}"."{{table}}"
+    FOR EACH ROW
+    WHEN (NEW.status <> 'pending' OR NEW.attempts <> 0 OR NEW.locked_by IS NOT NULL
+          OR NEW.locked_at IS NOT NULL OR NEW.lease_expires_at IS NOT NULL
+          OR NEW.finished_at IS NOT NULL OR NEW.last_error IS NOT NULL
+          OR NEW.blocks_key OR NEW.holds_key OR jsonb_typeof(NEW.headers) <> 'object'
+          OR NEW.available_at = 'infinity')
+    EXECUTE FUNCTION "{{schema}}"."{{table}}_refuse_insert"();
+
+-- Head or waiting, decided per inserted row under the key's lock (see 0005). New: the
+-- isolation level decides which snapshot the decision may trust (see 1. above).
+CREATE OR REPLACE FUNCTION "{{schema}}"."{{table}}_order"() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET jit = off
+AS $fn$
+BEGIN
+    IF NEW.status OPERATOR(pg_catalog.<>) 'pending' THEN
+        RETURN NEW;  -- only with the insert check disabled (a restore): as it was written
+    END IF;
+    PERFORM pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtextextended(
+        '{{schema}}.{{table}}:' OPERATOR(pg_catalog.||) NEW.ordering_key, 0));
+    IF pg_catalog.current_setting('transaction_isolation')
+           OPERATOR(pg_catalog.=) ANY ('{read committed,read uncommitted}'::text[]) THEN
+        -- this statement's snapshot is taken after the lock: it sees what the key's
+        -- previous lock holders committed
+        IF EXISTS (SELECT 1 FROM "{{schema}}"."{{table}}" k
+                   WHERE k.ordering_key OPERATOR(pg_catalog.=) NEW.ordering_key
+                     AND (k.status OPERATOR(pg_catalog.=) ANY
+                          ('{pending,retry,processing,waiting}'::"{{schema}}"."{{table}}_status"[])
+                          OR k.blocks_key)) THEN
+            NEW.status := 'waiting';
+        END IF;
+        RETURN NEW;
+    END IF;
+    -- REPEATABLE READ or SERIALIZABLE: the transaction's snapshot, maybe older than the
+    -- key's events. An unfinished event it shows that nobody has touched since it was
+    -- written is unfinished still: wait behind it. (A version this snapshot sees whose
+    -- xmax is another transaction's was updated, deleted or locked after it was written;
+    -- xmax equal to xmin is its writer's own row lock, which ended with its commit.)
+    IF EXISTS (SELECT 1 FROM "{{schema}}"."{{table}}" k
+               WHERE k.ordering_key OPERATOR(pg_catalog.=) NEW.ordering_key
+                 AND (k.status OPERATOR(pg_catalog.=) ANY
+                      ('{pending,retry,processing,waiting}'::"{{schema}}"."{{table}}_status"[])
+                      OR k.blocks_key)
+                 AND (k.xmax OPERATOR(pg_catalog.=) '0'::pg_catalog.xid
+                      -- a lock its own writer carried onto it (a claim locks, then updates)
+                      OR k.xmax OPERATOR(pg_catalog.=) k.xmin)) THEN
+        NEW.status := 'waiting';
+    ELSIF EXISTS (SELECT 1 FROM "{{schema}}"."{{table}}" k
+                  WHERE k.ordering_key OPERATOR(pg_catalog.=) NEW.ordering_key
+                    AND (k.status OPERATOR(pg_catalog.=) ANY
+                         ('{pending,retry,processing,waiting}'::"{{schema}}"."{{table}}_status"[])
+                         OR k.blocks_key)) THEN
+        -- every unfinished event it shows has changed since: they may all be finished,
+        -- and a row put behind them would then wait for a promotion that came and went
+        RAISE EXCEPTION USING
+            ERRCODE = 'serialization_failure',
+            MESSAGE = pg_catalog.format(
+                'could not serialize access to ordering key %L: its events changed after'
+                ' this transaction''s snapshot', NEW.ordering_key),
+            HINT = 'Retry the transaction, or enqueue ordered events at READ COMMITTED.';
+    END IF;
+    -- else the head. If the key got a claimable event or a run after this snapshot, the
+    -- one-head index refuses this row (a unique violation) rather than run both at once.
+    RETURN NEW;
+END
+$fn$;
+
+-- The claim of schema 6, as 0008 left it, plus the flag of the one row that stands for
+-- its key while it runs: a head claimed alone holds it; a head claimed with a run
+-- behind it leaves it to the run's highest row, which runs last. Heads and runs are
+-- updated in two statements, heads first, so no order within one statement can put
+-- two rows of a key in the one-head index at once.
+CREATE OR REPLACE FUNCTION "{{schema}}"."{{table}}_claim_v6"(
+    p_worker TEXT, p_lease FLOAT8, p_topics TEXT[], p_limit INT, p_max_bytes BIGINT,
+    p_run INT, p_run_rows INT, p_after_at TIMESTAMPTZ DEFAULT NULL, p_after_id BIGINT DEFAULT NULL)
+RETURNS TABLE (id BIGINT, topic TEXT, payload TEXT, dedupe_key TEXT, headers TEXT,
+               attempts INT, max_attempts INT, created_at TIMESTAMPTZ,
+               available_at TIMESTAMPTZ, message_id TEXT, ordering_key TEXT, is_head BOOLEAN)
+LANGUAGE plpgsql
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET jit = off
+SET plan_cache_mode = force_generic_plan
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    topics TEXT[] := p_topics;
+    cand BIGINT[];
+    heads BIGINT[];
+    runs BIGINT[];
+    run_heads BIGINT[];  -- the head each run row was claimed behind
+    got INT;
+    after_at TIMESTAMPTZ := coalesce(p_after_at, '-infinity');
+    after_id BIGINT := coalesce(p_after_id, 0);
+    head_bytes BIGINT;
+    keyed BOOLEAN;  -- an ordered head was claimed: only then look for runs
+BEGIN
+    IF topics IS NULL THEN
+        -- every topic with claimable rows: a skip scan over the index's leading column
+        topics := ARRAY(
+            WITH RECURSIVE t(topic) AS (
+                (SELECT c.topic FROM "{{schema}}"."{{table}}" c
+                 WHERE c.status IN ('pending', 'retry') ORDER BY c.topic LIMIT 1)
+                UNION ALL
+                SELECT (SELECT c.topic FROM "{{schema}}"."{{table}}" c
+                        WHERE c.status IN ('pending', 'retry') AND c.topic > t.topic
+                        ORDER BY c.topic LIMIT 1)
+                FROM t WHERE t.topic IS NOT NULL)
+            SELECT t.topic FROM t WHERE t.topic IS NOT NULL);
+    END IF;
+    IF cardinality(topics) = 1 THEN
+        -- one topic: lock while scanning, so concurrent consumers skip each other exactly
+        SELECT array_agg(w.id), max(w.before + w.size), bool_or(w.keyed)
+        INTO heads, head_bytes, keyed FROM (
+            SELECT s.id, s.size, s.keyed,
+                   sum(s.size) OVER (ORDER BY s.available_at, s.id) - s.size AS before
+            FROM (SELECT c.id, c.available_at, pg_column_size(c.payload) AS size,
+                         c.ordering_key IS NOT NULL AS keyed
+                  FROM "{{schema}}"."{{table}}" AS c
+                  WHERE c.status IN ('pending', 'retry') AND c.topic = topics[1]
+                    AND c.available_at <= now()
+                    AND (c.available_at, c.id) > (after_at, after_id)
+                  ORDER BY c.available_at, c.id LIMIT p_limit FOR UPDATE SKIP LOCKED) AS s
+        ) AS w WHERE w.before < p_max_bytes;
+    ELSE
+        -- several: the oldest rows of each topic, merged (twice the limit, so rows other
+        -- consumers lock meanwhile still leave enough), then locked in that order
+        cand := ARRAY(
+            SELECT x.id FROM unnest(topics) AS t(topic) CROSS JOIN LATERAL (
+                SELECT c.id, c.available_at FROM "{{schema}}"."{{table}}" AS c
+                WHERE c.status IN ('pending', 'retry') AND c.topic = t.topic
+                  AND c.available_at <= now()
+                  AND (c.available_at, c.id) > (after_at, after_id)
+                ORDER BY c.available_at, c.id LIMIT p_limit) AS x
+            ORDER BY x.available_at, x.id LIMIT 2 * p_limit);
+        SELECT array_agg(w.id), max(w.before + w.size), bool_or(w.keyed)
+        INTO heads, head_bytes, keyed FROM (
+            SELECT s.id, s.size, s.keyed,
+                   sum(s.size) OVER (ORDER BY s.available_at, s.id) - s.size AS before
+            FROM (SELECT c.id, c.available_at, pg_column_size(c.payload) AS size,
+                         c.ordering_key IS NOT NULL AS keyed
+                  FROM "{{schema}}"."{{table}}" AS c
+                  WHERE c.id = ANY (cand) AND c.status IN ('pending', 'retry')
+                    AND c.available_at <= now()
+                  ORDER BY c.available_at, c.id LIMIT p_limit FOR UPDATE SKIP LOCKED) AS s
+        ) AS w WHERE w.before < p_max_bytes;
+    END IF;
+    IF heads IS NULL THEN
+        RETURN;
+    END IF;
+    IF keyed AND p_run > 0 AND p_run_rows > 0 AND head_bytes < p_max_bytes THEN
+        SELECT array_agg(q.id), array_agg(q.h_id) INTO runs, run_heads FROM (
+            SELECT r.id, k.h_id, sum(r.size) OVER (ORDER BY r.pos, k.h_at, k.h_id) AS upto
+            FROM (SELECT h.ordering_key AS k, h.available_at AS h_at, h.id AS h_id
+                  FROM "{{schema}}"."{{table}}" h
+                  WHERE h.id = ANY (heads) AND h.ordering_key IS NOT NULL) AS k
+            CROSS JOIN LATERAL (
+                SELECT x.id, x.size, row_number() OVER (ORDER BY x.id) AS pos,
+                       bool_and(x.ok) OVER (ORDER BY x.id) AS ok
+                FROM (SELECT w.id, pg_column_size(w.payload) AS size,
+                             (w.available_at <= now()
+                              AND (p_topics IS NULL OR w.topic = ANY (topics))) AS ok
+                      FROM "{{schema}}"."{{table}}" w
+                      WHERE w.ordering_key = k.k AND w.status = 'waiting'
+                      ORDER BY w.id LIMIT p_run) AS x) AS r
+            WHERE r.ok
+            ORDER BY r.pos, k.h_at, k.h_id
+            LIMIT p_run_rows) AS q
+        WHERE q.upto <= p_max_bytes - head_bytes;
+    END IF;
+    -- rows the byte cap left out were only locked: the locks end with the statement
+    IF runs IS NULL THEN
+        -- heads only (every unordered claim): no per-row array membership tests
+        RETURN QUERY
+        UPDATE "{{schema}}"."{{table}}" AS e SET status = 'processing',
+            attempts = e.attempts + 1, locked_by = p_worker, locked_at = now(),
+            lease_expires_at = now() + make_interval(secs => p_lease), updated_at = now(),
+            holds_key = e.ordering_key IS NOT NULL
+        WHERE e.id = ANY (heads)
+    RETURNING e.id, e.topic, e.payload::text, e.dedupe_key, e.headers::text,
+              e.attempts, e.max_attempts,
+              least(greatest(e.created_at, '0001-01-01 00:00:00+00'), '9999-12-31 23:59:59+00'),
+              least(greatest(e.available_at, '0001-01-01 00:00:00+00'), '9999-12-31 23:59:59+00'),
+              coalesce(e.message_id, md5('aiooutbox:' || (SELECT d.oid FROM pg_catalog.pg_database d
+                  WHERE d.datname = pg_catalog.current_database()) || ':' || e.tableoid
+                  || ':' || e.id)::uuid)::text,
+              e.ordering_key, true;
+        RETURN;
+    END IF;
+    -- heads: each joined with whether a run was claimed behind it (set operations, so
+    -- no scan of one array per element of the other)
+    RETURN QUERY
+    UPDATE "{{schema}}"."{{table}}" AS e SET status = 'processing',
+        attempts = e.attempts + 1, locked_by = p_worker, locked_at = now(),
+        lease_expires_at = now() + make_interval(secs => p_lease), updated_at = now(),
+        holds_key = e.ordering_key IS NOT NULL AND m.alone
+    FROM (SELECT a.id, true AS alone
+          FROM (SELECT h.id FROM unnest(heads) AS h(id)
+                EXCEPT SELECT x.h FROM unnest(run_heads) AS x(h)) AS a
+          UNION ALL
+          SELECT DISTINCT x.h, false FROM unnest(run_heads) AS x(h)) AS m
+    WHERE e.id = m.id
+    RETURNING e.id, e.topic, e.payload::text, e.dedupe_key, e.headers::text,
+              e.attempts, e.max_attempts,
+              least(greatest(e.created_at, '0001-01-01 00:00:00+00'), '9999-12-31 23:59:59+00'),
+              least(greatest(e.available_at, '0001-01-01 00:00:00+00'), '9999-12-31 23:59:59+00'),
+              coalesce(e.message_id, md5('aiooutbox:' || (SELECT d.oid FROM pg_catalog.pg_database d
+                  WHERE d.datname = pg_catalog.current_database()) || ':' || e.tableoid
+                  || ':' || e.id)::uuid)::text,
+              e.ordering_key, true;
+    RETURN QUERY
+    UPDATE "{{schema}}"."{{table}}" AS e SET status = 'processing',
+        attempts = e.attempts + 1, locked_by = p_worker, locked_at = now(),
+        lease_expires_at = now() + make_interval(secs => p_lease), updated_at = now(),
+        holds_key = m.last
+    FROM (SELECT x.id, x.id = max(x.id) OVER (PARTITION BY x.h) AS last
+          FROM unnest(runs, run_heads) AS x(id, h)) AS m
+    WHERE e.id = m.id AND e.status = 'waiting'
+    RETURNING e.id, e.topic, e.payload::text, e.dedupe_key, e.headers::text,
+              e.attempts, e.max_attempts,
+              least(greatest(e.created_at, '0001-01-01 00:00:00+00'), '9999-12-31 23:59:59+00'),
+              least(greatest(e.available_at, '0001-01-01 00:00:00+00'), '9999-12-31 23:59:59+00'),
+              coalesce(e.message_id, md5('aiooutbox:' || (SELECT d.oid FROM pg_catalog.pg_database d
+                  WHERE d.datname = pg_catalog.current_database()) || ':' || e.tableoid
+                  || ':' || e.id)::uuid)::text,
+              e.ordering_key, false;
+    GET DIAGNOSTICS got = ROW_COUNT;
+    IF got < cardinality(runs) THEN
+        -- a run row changed between the look and the update (rare): re-flag each key of
+        -- this claim on the highest run row actually claimed, else on its head
+        UPDATE "{{schema}}"."{{table}}" AS e SET holds_key = false
+        WHERE e.id = ANY (heads || runs) AND e.status = 'processing' AND e.locked_by = p_worker
+          AND e.holds_key;
+        UPDATE "{{schema}}"."{{table}}" AS e SET holds_key = true
+        FROM (SELECT coalesce(max(c.id) FILTER (WHERE c.id = ANY (runs)),
+                              max(c.id) FILTER (WHERE c.id = ANY (heads))) AS id
+              FROM "{{schema}}"."{{table}}" c
+              WHERE c.id = ANY (heads || runs) AND c.status = 'processing'
+                AND c.locked_by = p_worker AND c.ordering_key IS NOT NULL
+              GROUP BY c.ordering_key) AS f
+        WHERE e.id = f.id;
+    END IF;
+END
+$fn$;
+
+-- Settle failures as in 0005. New: a row that goes back to retry stands for its key in
+-- the one-head index from then on, so the flag of its run's last row (still processing,
+-- about to be given back) comes off first; and a row whose key already has another
+-- claimable event waits behind it instead of colliding with it.
+CREATE OR REPLACE FUNCTION "{{schema}}"."{{table}}_settle_failed_v5"(
+    p_ids BIGINT[], p_delays FLOAT8[], p_errors TEXT[], p_outcomes TEXT[],
+    p_worker TEXT, p_attempts INT)
+RETURNS TABLE (settled INT, promoted INT, skipped TEXT[])
+LANGUAGE plpgsql
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET jit = off
+SET plan_cache_mode = force_generic_plan
+AS $fn$
+DECLARE
+    keys TEXT[];
+BEGIN
+    IF p_outcomes && '{retry,retry_block,released}'::text[] THEN
+        UPDATE "{{schema}}"."{{table}}" AS e SET holds_key = false
+        FROM (SELECT DISTINCT r.ordering_key AS k
+              FROM unnest(p_ids, p_outcomes) AS x(id, outcome)
+              JOIN "{{schema}}"."{{table}}" AS r ON r.id = x.id
+              WHERE x.outcome IN ('retry', 'retry_block', 'released')
+                AND r.ordering_key IS NOT NULL AND r.status = 'processing'
+                AND r.locked_by = p_worker AND r.attempts = p_attempts) AS k
+        WHERE e.ordering_key = k.k AND e.status = 'processing' AND e.holds_key;
+    END IF;
+    WITH u AS (
+        SELECT x.id, x.delay, x.error, x.outcome,
+               x.outcome IN ('dead', 'dead_block') AS forced,
+               x.outcome IN ('retry_block', 'dead_block') AS blocking
+        FROM unnest(p_ids, p_delays, p_errors, p_outcomes) AS x(id, delay, error, outcome)),
+    f AS (
+        UPDATE "{{schema}}"."{{table}}" AS e SET
+            status = (CASE
+                WHEN u.outcome = 'unrun' THEN 'waiting'
+                WHEN u.forced OR (u.outcome IN ('retry', 'retry_block')
+                                  AND e.attempts >= e.max_attempts) THEN 'dead'
+                WHEN e.ordering_key IS NOT NULL AND EXISTS (
+                    SELECT 1 FROM "{{schema}}"."{{table}}" o
+                    WHERE o.ordering_key = e.ordering_key AND o.status IN ('pending', 'retry')
+                      AND o.id <> e.id) THEN 'waiting'
+                ELSE 'retry' END)::"{{schema}}"."{{table}}_status",
+            available_at = CASE
+                WHEN u.outcome = 'released' OR (u.outcome IN ('retry', 'retry_block')
+                                                AND e.attempts < e.max_attempts)
+                THEN now() + make_interval(secs => u.delay) ELSE e.available_at END,
+            finished_at = CASE
+                WHEN u.forced OR (u.outcome IN ('retry', 'retry_block')
+                                  AND e.attempts >= e.max_attempts) THEN now() END,
+            blocks_key = e.ordering_key IS NOT NULL AND u.blocking
+                AND (u.forced OR e.attempts >= e.max_attempts),
+            attempts = CASE WHEN u.outcome = 'unrun' THEN e.attempts - 1 ELSE e.attempts END,
+            last_error = CASE WHEN u.outcome = 'unrun' THEN e.last_error ELSE u.error END,
+            lease_expires_at = NULL, holds_key = false, updated_at = now()
+        FROM u
+        WHERE e.id = u.id AND e.id = ANY (p_ids) AND e.status = 'processing'
+          AND e.locked_by = p_worker AND e.attempts = p_attempts
+        RETURNING e.ordering_key, e.status, e.blocks_key)
+    SELECT count(*)::int,
+           array_agg(f.ordering_key) FILTER (
+               WHERE f.ordering_key IS NOT NULL AND f.status = 'dead' AND NOT f.blocks_key)
+    INTO settled, keys FROM f;
+    promoted := 0;
+    skipped := '{}';
+    IF keys IS NOT NULL THEN
+        SELECT p.promoted, p.skipped INTO promoted, skipped
+        FROM "{{schema}}"."{{table}}_promote"(keys) AS p;
+    END IF;
+    RETURN NEXT;
+END
+$fn$;
+
+-- Return processing rows to the queue, as in 0005. New: the flags of the keys involved
+-- come off first (their lowest row goes back to retry and stands for the key), and a
+-- row whose key already has a claimable event waits behind it instead of colliding.
+CREATE OR REPLACE FUNCTION "{{schema}}"."{{table}}_requeue_v5"(
+    p_worker TEXT, p_keep BIGINT[], p_limit INT, p_reason TEXT)
+RETURNS TABLE (id BIGINT, topic TEXT, status TEXT, locked_by TEXT)
+LANGUAGE plpgsql
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET jit = off
+SET plan_cache_mode = force_generic_plan
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    ids BIGINT[];
+    topics TEXT[];
+    statuses TEXT[];
+    workers TEXT[];
+    keys TEXT[];
+BEGIN
+    IF p_worker IS NULL THEN
+        ids := ARRAY(SELECT c.id FROM "{{schema}}"."{{table}}" AS c
+                     WHERE c.status = 'processing' AND c.lease_expires_at < now()
+                     ORDER BY c.lease_expires_at LIMIT p_limit FOR UPDATE SKIP LOCKED);
+    ELSE
+        ids := ARRAY(SELECT c.id FROM "{{schema}}"."{{table}}" AS c
+                     WHERE c.lease_expires_at IS NOT NULL AND c.status = 'processing'
+                       AND c.locked_by = p_worker AND NOT (c.id = ANY (p_keep))
+                     ORDER BY c.lease_expires_at FOR UPDATE SKIP LOCKED);
+    END IF;
+    IF cardinality(ids) = 0 THEN
+        RETURN;
+    END IF;
+    UPDATE "{{schema}}"."{{table}}" AS e SET holds_key = false
+    FROM (SELECT DISTINCT r.ordering_key AS k FROM "{{schema}}"."{{table}}" r
+          WHERE r.id = ANY (ids) AND r.ordering_key IS NOT NULL) AS k
+    WHERE e.ordering_key = k.k AND e.status = 'processing' AND e.holds_key;
+    WITH r AS (
+        UPDATE "{{schema}}"."{{table}}" AS e SET
+            status = (CASE
+                WHEN s.behind THEN 'waiting'
+                WHEN p_worker IS NULL AND e.attempts >= e.max_attempts THEN 'dead'
+                WHEN s.beside THEN 'waiting'
+                ELSE 'retry' END)::"{{schema}}"."{{table}}_status",
+            attempts = CASE WHEN s.behind THEN e.attempts - 1 ELSE e.attempts END,
+            available_at = now(),
+            finished_at = CASE WHEN NOT s.behind AND p_worker IS NULL
+                               AND e.attempts >= e.max_attempts THEN now() END,
+            last_error = p_reason || ' (worker ' || coalesce(e.locked_by, '?')
+                         || ', attempt ' || e.attempts || ')',
+            lease_expires_at = NULL, holds_key = false, updated_at = now()
+        FROM (SELECT c.id,
+                     -- behind a lower event of its key that is still processing: waits
+                     c.ordering_key IS NOT NULL AND EXISTS (
+                         SELECT 1 FROM "{{schema}}"."{{table}}" o
+                         WHERE o.ordering_key = c.ordering_key AND o.status = 'processing'
+                           AND o.id < c.id) AS behind,
+                     -- its key has another claimable event already: waits behind it
+                     c.ordering_key IS NOT NULL AND EXISTS (
+                         SELECT 1 FROM "{{schema}}"."{{table}}" o
+                         WHERE o.ordering_key = c.ordering_key
+                           AND o.status IN ('pending', 'retry') AND o.id <> c.id) AS beside
+              FROM "{{schema}}"."{{table}}" c WHERE c.id = ANY (ids)) AS s
+        WHERE e.id = s.id
+        RETURNING e.id, e.topic, e.status::text AS status, e.locked_by, e.ordering_key)
+    SELECT array_agg(r.id), array_agg(r.topic), array_agg(r.status), array_agg(r.locked_by),
+           array_agg(r.ordering_key) FILTER (WHERE r.ordering_key IS NOT NULL AND r.status = 'dead')
+    INTO ids, topics, statuses, workers, keys FROM r;
+    IF keys IS NOT NULL THEN
+        PERFORM "{{schema}}"."{{table}}_promote"(keys);
+    END IF;
+    RETURN QUERY SELECT * FROM unnest(ids, topics, statuses, workers);
+END
+$fn$;
