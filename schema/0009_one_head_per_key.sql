@@ -346,10 +346,18 @@ BEGIN
 END
 $fn$;
 
--- Settle failures as in 0005. New: a row that goes back to retry stands for its key in
--- the one-head index from then on, so the flag of its run's last row (still processing,
--- about to be given back) comes off first; and a row whose key already has another
--- claimable event waits behind it instead of colliding with it.
+-- Settle failures as in 0005, with three changes.
+-- * A row that goes back to retry stands for its key in the one-head index from then
+--   on, so the flag of its run's last row (processing, about to be given back) comes off
+--   first. The rows of this call are locked as the update would lock them; a flag on
+--   another row is taken only if nobody holds that row (a heartbeat may, while it waits
+--   for ours): this function waits for no row the 0005 body did not.
+-- * A row whose key still has another claimable event, or a flag that could not come
+--   off, waits behind it instead of colliding with it in the index.
+-- * The keys of rows that go back to waiting (a run given back, unrun) are promoted too,
+--   as are those of rows that died: when a run's head dies and its unrun rows are written
+--   by a later statement (another attempt count), the first promotion found the key
+--   still busy and nothing promoted it afterwards.
 CREATE OR REPLACE FUNCTION "{{schema}}"."{{table}}_settle_failed_v5"(
     p_ids BIGINT[], p_delays FLOAT8[], p_errors TEXT[], p_outcomes TEXT[],
     p_worker TEXT, p_attempts INT)
@@ -362,16 +370,25 @@ SET plan_cache_mode = force_generic_plan
 AS $fn$
 DECLARE
     keys TEXT[];
+    back TEXT[];  -- keys of the rows that go back to retry
 BEGIN
     IF p_outcomes && '{retry,retry_block,released}'::text[] THEN
+        back := ARRAY(
+            SELECT DISTINCT r.ordering_key
+            FROM unnest(p_ids, p_outcomes) AS x(id, outcome)
+            JOIN "{{schema}}"."{{table}}" AS r ON r.id = x.id
+            WHERE x.outcome IN ('retry', 'retry_block', 'released')
+              AND r.ordering_key IS NOT NULL AND r.status = 'processing'
+              AND r.locked_by = p_worker AND r.attempts = p_attempts);
+    END IF;
+    IF cardinality(back) > 0 THEN
         UPDATE "{{schema}}"."{{table}}" AS e SET holds_key = false
-        FROM (SELECT DISTINCT r.ordering_key AS k
-              FROM unnest(p_ids, p_outcomes) AS x(id, outcome)
-              JOIN "{{schema}}"."{{table}}" AS r ON r.id = x.id
-              WHERE x.outcome IN ('retry', 'retry_block', 'released')
-                AND r.ordering_key IS NOT NULL AND r.status = 'processing'
-                AND r.locked_by = p_worker AND r.attempts = p_attempts) AS k
-        WHERE e.ordering_key = k.k AND e.status = 'processing' AND e.holds_key;
+        WHERE e.id = ANY (p_ids) AND e.holds_key AND e.ordering_key = ANY (back);
+        UPDATE "{{schema}}"."{{table}}" AS e SET holds_key = false
+        WHERE e.id IN (SELECT f.id FROM "{{schema}}"."{{table}}" AS f
+                       WHERE f.ordering_key = ANY (back) AND f.status = 'processing'
+                         AND f.holds_key AND NOT (f.id = ANY (p_ids))
+                       FOR UPDATE SKIP LOCKED);
     END IF;
     WITH u AS (
         SELECT x.id, x.delay, x.error, x.outcome,
@@ -386,8 +403,9 @@ BEGIN
                                   AND e.attempts >= e.max_attempts) THEN 'dead'
                 WHEN e.ordering_key IS NOT NULL AND EXISTS (
                     SELECT 1 FROM "{{schema}}"."{{table}}" o
-                    WHERE o.ordering_key = e.ordering_key AND o.status IN ('pending', 'retry')
-                      AND o.id <> e.id) THEN 'waiting'
+                    WHERE o.ordering_key = e.ordering_key AND o.id <> e.id
+                      AND (o.status IN ('pending', 'retry')
+                           OR (o.status = 'processing' AND o.holds_key))) THEN 'waiting'
                 ELSE 'retry' END)::"{{schema}}"."{{table}}_status",
             available_at = CASE
                 WHEN u.outcome = 'released' OR (u.outcome IN ('retry', 'retry_block')
@@ -406,8 +424,9 @@ BEGIN
           AND e.locked_by = p_worker AND e.attempts = p_attempts
         RETURNING e.ordering_key, e.status, e.blocks_key)
     SELECT count(*)::int,
-           array_agg(f.ordering_key) FILTER (
-               WHERE f.ordering_key IS NOT NULL AND f.status = 'dead' AND NOT f.blocks_key)
+           array_agg(DISTINCT f.ordering_key) FILTER (
+               WHERE f.ordering_key IS NOT NULL
+                 AND (f.status = 'waiting' OR (f.status = 'dead' AND NOT f.blocks_key)))
     INTO settled, keys FROM f;
     promoted := 0;
     skipped := '{}';
@@ -419,9 +438,18 @@ BEGIN
 END
 $fn$;
 
--- Return processing rows to the queue, as in 0005. New: the flags of the keys involved
--- come off first (their lowest row goes back to retry and stands for the key), and a
--- row whose key already has a claimable event waits behind it instead of colliding.
+-- Return processing rows to the queue, as in 0005, with these changes.
+-- * A row goes back only together with every lower processing row of its key (taken in
+--   the same call): it was put back to waiting behind a lower row whose settlement was
+--   committing meanwhile, and that settlement's promotion, which could not see this
+--   row yet, left the key with no head. A row behind a lower one that is not taken
+--   (its lease still runs, or a settlement holds it now) is left for a later call.
+-- * The flags of the keys involved come off first (the lowest row goes back to retry
+--   and stands for the key); a flag on a row not taken here is locked without waiting
+--   (this function never waits for a row; a heartbeat holding one may wait for ours),
+--   and a key whose flag another transaction holds is left for a later call.
+-- * A row whose key already has a claimable event waits behind it instead of colliding.
+-- * A row left waiting gets no finish time (it got one when its attempts were spent).
 CREATE OR REPLACE FUNCTION "{{schema}}"."{{table}}_requeue_v5"(
     p_worker TEXT, p_keep BIGINT[], p_limit INT, p_reason TEXT)
 RETURNS TABLE (id BIGINT, topic TEXT, status TEXT, locked_by TEXT)
@@ -438,6 +466,7 @@ DECLARE
     statuses TEXT[];
     workers TEXT[];
     keys TEXT[];
+    flags BIGINT[];
 BEGIN
     IF p_worker IS NULL THEN
         ids := ARRAY(SELECT c.id FROM "{{schema}}"."{{table}}" AS c
@@ -452,10 +481,24 @@ BEGIN
     IF cardinality(ids) = 0 THEN
         RETURN;
     END IF;
+    flags := ARRAY(SELECT f.id FROM "{{schema}}"."{{table}}" AS f
+                   WHERE f.ordering_key IN (SELECT r.ordering_key FROM "{{schema}}"."{{table}}" r
+                                            WHERE r.id = ANY (ids) AND r.ordering_key IS NOT NULL)
+                     AND f.status = 'processing' AND f.holds_key AND NOT (f.id = ANY (ids))
+                   FOR UPDATE SKIP LOCKED);
+    -- (rows taken but left for later stay locked only until this transaction ends)
+    ids := ARRAY(SELECT r.id FROM "{{schema}}"."{{table}}" AS r
+                 WHERE r.id = ANY (ids)
+                   AND NOT (r.ordering_key IS NOT NULL AND EXISTS (
+                       SELECT 1 FROM "{{schema}}"."{{table}}" o
+                       WHERE o.ordering_key = r.ordering_key AND o.status = 'processing'
+                         AND NOT (o.id = ANY (ids))
+                         AND (o.id < r.id OR (o.holds_key AND NOT (o.id = ANY (flags)))))));
+    IF cardinality(ids) = 0 THEN
+        RETURN;
+    END IF;
     UPDATE "{{schema}}"."{{table}}" AS e SET holds_key = false
-    FROM (SELECT DISTINCT r.ordering_key AS k FROM "{{schema}}"."{{table}}" r
-          WHERE r.id = ANY (ids) AND r.ordering_key IS NOT NULL) AS k
-    WHERE e.ordering_key = k.k AND e.status = 'processing' AND e.holds_key;
+    WHERE (e.id = ANY (ids) OR e.id = ANY (flags)) AND e.holds_key;
     WITH r AS (
         UPDATE "{{schema}}"."{{table}}" AS e SET
             status = (CASE
@@ -471,7 +514,7 @@ BEGIN
                          || ', attempt ' || e.attempts || ')',
             lease_expires_at = NULL, holds_key = false, updated_at = now()
         FROM (SELECT c.id,
-                     -- behind a lower event of its key that is still processing: waits
+                     -- behind a lower event of its key taken here too: waits
                      c.ordering_key IS NOT NULL AND EXISTS (
                          SELECT 1 FROM "{{schema}}"."{{table}}" o
                          WHERE o.ordering_key = c.ordering_key AND o.status = 'processing'

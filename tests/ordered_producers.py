@@ -66,10 +66,10 @@ async def produce(
     Returns the ids and the refusals seen.
     """
     refused: list[BaseException] = []
+    level = isolation.replace("_", " ").upper()
     for _ in range(tries):
         async with pool.acquire() as conn:
-            transaction = conn.transaction(isolation=isolation)  # type: ignore[arg-type]
-            await transaction.start()
+            await conn.execute(f"BEGIN ISOLATION LEVEL {level}")
             try:
                 # the snapshot: the first statement of the transaction takes it
                 await conn.fetchval(
@@ -79,13 +79,99 @@ async def produce(
                     await after_snapshot()
                     after_snapshot = None
                 ids = await insert_ordered(conn, how, topic, key, payloads)
-                await transaction.commit()
+                # SERIALIZABLE may refuse at COMMIT too (the server then rolls back)
+                await conn.execute("COMMIT")
                 return ids, refused
             except REFUSALS as exc:
-                await transaction.rollback()
                 refused.append(exc)
-                await asyncio.sleep(random.random() * 0.01)
-            except BaseException:
-                await transaction.rollback()
-                raise
+            finally:
+                if conn.is_in_transaction():
+                    await conn.execute("ROLLBACK")
+        await asyncio.sleep(random.random() * 0.01)
     raise AssertionError(f"{key}: refused {tries} times in a row: {refused[-3:]}")
+
+
+# every status a raw INSERT may name: only pending goes in
+STATUSES = ("pending", "retry", "processing", "waiting", "done", "dead")
+
+
+class SideTraffic:
+    """Ordered producers beside a consumer test, until ``stop`` is set.
+
+    For each of ``keys`` keys, three producers write at once: one at READ COMMITTED,
+    one at REPEATABLE READ, one at SERIALIZABLE. Each is sequential (its events carry
+    its own ``seq`` and ``src``, so their order can be checked per producer), takes its
+    snapshot, waits a little while consumers claim and settle the key, then inserts one
+    event or two, in turn with `enqueue`, `enqueue_many` and raw SQL. Beside them a raw
+    SQL producer names every status: only ``pending`` may go in. ``accepted`` counts
+    the events that went in, ``refusals`` the stale snapshots the outbox refused, and
+    ``unexpected`` what should have been refused and was not.
+    """
+
+    LEVELS = (("rc", "read_committed"), ("rr", "repeatable_read"), ("ser", "serializable"))
+
+    def __init__(self, pool: asyncpg.Pool, keys: int = 4, topic: str = "t") -> None:
+        self.pool = pool
+        self.keys = [f"iso-{k}" for k in range(keys)]
+        self.topic = topic
+        self.accepted = 0
+        self.refusals: dict[str, int] = {src: 0 for src, _ in self.LEVELS}
+        self.raw_refused = 0
+        self.unexpected: list[str] = []
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await asyncio.gather(
+            *(
+                self._producer(stop, key, src, isolation)
+                for key in self.keys
+                for src, isolation in self.LEVELS
+            ),
+            self._raw(stop),
+        )
+
+    async def _producer(self, stop: asyncio.Event, key: str, src: str, isolation: str) -> None:
+        seq = 0
+        turn = 0
+        while not stop.is_set():
+            how = HOWS[turn % len(HOWS)]
+            turn += 1
+            count = 2 if how == "enqueue_many" else 1
+            payloads = [{"seq": seq + n, "src": src} for n in range(count)]
+
+            async def meanwhile() -> None:
+                await asyncio.sleep(random.random() * 0.03)
+
+            ids, refused = await produce(
+                self.pool, isolation, how, key, payloads, after_snapshot=meanwhile
+            )
+            seq += len(ids)
+            self.accepted += len(ids)
+            self.refusals[src] += len(refused)
+            if src == "rc" and refused:
+                self.unexpected.append(f"READ COMMITTED refused: {refused[0]!r}")
+
+    async def _raw(self, stop: asyncio.Event) -> None:
+        seq = 0
+        turn = 0
+        while not stop.is_set():
+            status = STATUSES[turn % len(STATUSES)]
+            turn += 1
+            try:
+                await self.pool.execute(
+                    "INSERT INTO outbox_events (topic, payload, ordering_key, status)"
+                    " VALUES ($1, $2::jsonb, 'raw', $3::outbox_events_status)",
+                    self.topic,
+                    json.dumps({"seq": seq, "src": "raw"}),
+                    status,
+                )
+            except asyncpg.CheckViolationError:
+                if status == "pending":
+                    raise
+                self.raw_refused += 1
+            else:
+                if status != "pending":
+                    self.unexpected.append(f"a raw insert of a {status} event went in")
+                    continue  # (a seq no handler will see as this producer's next)
+                seq += 1
+                self.accepted += 1
+            await asyncio.sleep(random.random() * 0.01)
