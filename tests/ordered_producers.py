@@ -104,7 +104,10 @@ class SideTraffic:
     snapshot, waits a little while consumers claim and settle the key, then inserts one
     event or two, in turn with `enqueue`, `enqueue_many` and raw SQL. Beside them a raw
     SQL producer names every status: only ``pending`` may go in. ``accepted`` counts
-    the events that went in, ``refusals`` the stale snapshots the outbox refused, and
+    the events that went in; ``refusals`` the refused tries per producer; ``kinds`` the
+    refusals by cause: ``head`` (the one-head index: the key got a claimable or running
+    event after the snapshot), ``snapshot`` (every unfinished event the snapshot showed
+    had changed since) and ``ssi`` (SERIALIZABLE's own conflicts between producers);
     ``unexpected`` what should have been refused and was not.
     """
 
@@ -116,6 +119,7 @@ class SideTraffic:
         self.topic = topic
         self.accepted = 0
         self.refusals: dict[str, int] = {src: 0 for src, _ in self.LEVELS}
+        self.kinds: dict[str, int] = {"head": 0, "snapshot": 0, "ssi": 0}
         self.raw_refused = 0
         self.unexpected: list[str] = []
 
@@ -139,7 +143,7 @@ class SideTraffic:
             payloads = [{"seq": seq + n, "src": src} for n in range(count)]
 
             async def meanwhile() -> None:
-                await asyncio.sleep(random.random() * 0.03)
+                await asyncio.sleep(random.random() * 0.1)
 
             ids, refused = await produce(
                 self.pool, isolation, how, key, payloads, after_snapshot=meanwhile
@@ -147,6 +151,13 @@ class SideTraffic:
             seq += len(ids)
             self.accepted += len(ids)
             self.refusals[src] += len(refused)
+            for exc in refused:
+                if isinstance(exc, asyncpg.UniqueViolationError):
+                    self.kinds["head"] += 1
+                elif "ordering key" in str(exc):
+                    self.kinds["snapshot"] += 1
+                else:
+                    self.kinds["ssi"] += 1
             if src == "rc" and refused:
                 self.unexpected.append(f"READ COMMITTED refused: {refused[0]!r}")
 
