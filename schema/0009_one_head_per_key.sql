@@ -28,10 +28,10 @@
 -- 2. A raw INSERT could set `status` ('processing': never handled, recovered or made
 --    dead, and its key blocked for ever; 'waiting': handled by nobody or only after a
 --    restart; 'done'/'dead'/'retry'), `attempts` (INT_MAX failed every claim of its
---    topic), the lease and finish columns, `last_error`, `blocks_key`, headers that are
---    not a JSON object (dead at the first claim) and `available_at = 'infinity'` (never
---    due). A new event is pending: such rows are refused with a check violation that
---    names the columns (docs/producers.md lists every column and who owns it).
+--    topic), the lease and finish columns, `last_error`, `blocks_key`, and headers that
+--    are not a JSON object (dead at the first claim). A new event is pending: such rows
+--    are refused with a check violation that names the columns (docs/producers.md lists
+--    every column and who owns it).
 
 ALTER TABLE "{{schema}}"."{{table}}" ADD COLUMN holds_key BOOLEAN NOT NULL DEFAULT false;
 
@@ -81,9 +81,6 @@ BEGIN
         wrong := wrong || pg_catalog.format('headers %s (must be a JSON object)',
                                             pg_catalog.left(NEW.headers::text, 40));
     END IF;
-    IF NEW.available_at OPERATOR(pg_catalog.=) 'infinity'::timestamptz THEN
-        wrong := wrong || 'available_at ''infinity'' (never due: the event would never run)'::text;
-    END IF;
     RAISE EXCEPTION USING
         ERRCODE = 'check_violation',
         MESSAGE = pg_catalog.format('%s: a new event cannot set %s', TG_TABLE_NAME,
@@ -103,8 +100,7 @@ CREATE TRIGGER "{{table}}_insert_check"
     WHEN (NEW.status <> 'pending' OR NEW.attempts <> 0 OR NEW.locked_by IS NOT NULL
           OR NEW.locked_at IS NOT NULL OR NEW.lease_expires_at IS NOT NULL
           OR NEW.finished_at IS NOT NULL OR NEW.last_error IS NOT NULL
-          OR NEW.blocks_key OR NEW.holds_key OR jsonb_typeof(NEW.headers) <> 'object'
-          OR NEW.available_at = 'infinity')
+          OR NEW.blocks_key OR NEW.holds_key OR jsonb_typeof(NEW.headers) <> 'object')
     EXECUTE FUNCTION "{{schema}}"."{{table}}_refuse_insert"();
 
 -- Head or waiting, decided per inserted row under the key's lock (see 0005). New: the
@@ -373,13 +369,17 @@ DECLARE
     back TEXT[];  -- keys of the rows that go back to retry
 BEGIN
     IF p_outcomes && '{retry,retry_block,released}'::text[] THEN
+        -- through the primary key, like the update below (no `ordering_key IS NOT NULL`
+        -- here: it would let the plan walk the key index instead)
         back := ARRAY(
-            SELECT DISTINCT r.ordering_key
-            FROM unnest(p_ids, p_outcomes) AS x(id, outcome)
-            JOIN "{{schema}}"."{{table}}" AS r ON r.id = x.id
-            WHERE x.outcome IN ('retry', 'retry_block', 'released')
-              AND r.ordering_key IS NOT NULL AND r.status = 'processing'
-              AND r.locked_by = p_worker AND r.attempts = p_attempts);
+            SELECT DISTINCT q.k FROM (
+                SELECT r.ordering_key AS k FROM "{{schema}}"."{{table}}" AS r
+                WHERE r.id = ANY (ARRAY(SELECT x.id FROM unnest(p_ids, p_outcomes) AS x(id, outcome)
+                                        WHERE x.outcome IN ('retry', 'retry_block', 'released')))
+                  AND r.status = 'processing' AND r.locked_by = p_worker
+                  AND r.attempts = p_attempts
+                OFFSET 0) AS q
+            WHERE q.k IS NOT NULL);
     END IF;
     IF cardinality(back) > 0 THEN
         UPDATE "{{schema}}"."{{table}}" AS e SET holds_key = false
@@ -481,10 +481,14 @@ BEGIN
     IF cardinality(ids) = 0 THEN
         RETURN;
     END IF;
+    -- the keys taken, through the primary key (see settle_failed_v5)
+    keys := ARRAY(SELECT DISTINCT q.k FROM (
+                      SELECT r.ordering_key AS k FROM "{{schema}}"."{{table}}" AS r
+                      WHERE r.id = ANY (ids) OFFSET 0) AS q
+                  WHERE q.k IS NOT NULL);
     flags := ARRAY(SELECT f.id FROM "{{schema}}"."{{table}}" AS f
-                   WHERE f.ordering_key IN (SELECT r.ordering_key FROM "{{schema}}"."{{table}}" r
-                                            WHERE r.id = ANY (ids) AND r.ordering_key IS NOT NULL)
-                     AND f.status = 'processing' AND f.holds_key AND NOT (f.id = ANY (ids))
+                   WHERE f.ordering_key = ANY (keys) AND f.status = 'processing' AND f.holds_key
+                     AND NOT (f.id = ANY (ids))
                    FOR UPDATE SKIP LOCKED);
     -- (rows taken but left for later stay locked only until this transaction ends)
     ids := ARRAY(SELECT r.id FROM "{{schema}}"."{{table}}" AS r
@@ -498,7 +502,7 @@ BEGIN
         RETURN;
     END IF;
     UPDATE "{{schema}}"."{{table}}" AS e SET holds_key = false
-    WHERE (e.id = ANY (ids) OR e.id = ANY (flags)) AND e.holds_key;
+    WHERE e.id = ANY (ids || flags) AND e.holds_key;
     WITH r AS (
         UPDATE "{{schema}}"."{{table}}" AS e SET
             status = (CASE
