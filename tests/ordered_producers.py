@@ -101,11 +101,13 @@ class SideTraffic:
     For each of ``keys`` keys, three producers write at once: one at READ COMMITTED,
     one at REPEATABLE READ, one at SERIALIZABLE. Each is sequential (its events carry
     its own ``seq`` and ``src``, so their order can be checked per producer), takes its
-    snapshot, waits a little while consumers claim and settle the key, then inserts one
-    event or two, in turn with `enqueue`, `enqueue_many` and raw SQL. Beside them a raw
-    SQL producer names every status: only ``pending`` may go in. ``accepted`` counts
-    the events that went in; ``refusals`` the refused tries per producer; ``kinds`` the
-    refusals by cause: ``head`` (the one-head index: the key got a claimable or running
+    snapshot, waits a little while consumers claim and settle the key (every other time
+    a READ COMMITTED partner inserts an event of the key meanwhile, so the snapshot is
+    stale for sure), then inserts one event or two, in turn with `enqueue`,
+    `enqueue_many` and raw SQL. Two more keys replay the issue's case over and over
+    (`_stale`), one at each of the two levels. Beside them a raw SQL producer names
+    every status: only ``pending`` may go in. ``accepted`` counts the events that went
+    in; ``refusals`` the refused tries per producer; ``kinds`` the refusals by cause: ``head`` (the one-head index: the key got a claimable or running
     event after the snapshot), ``snapshot`` (every unfinished event the snapshot showed
     had changed since) and ``ssi`` (SERIALIZABLE's own conflicts between producers);
     ``unexpected`` what should have been refused and was not.
@@ -130,11 +132,50 @@ class SideTraffic:
                 for key in self.keys
                 for src, isolation in self.LEVELS
             ),
+            *(
+                self._stale(stop, f"stale-{src}", src, isolation)
+                for src, isolation in self.LEVELS[1:]
+            ),
             self._raw(stop),
         )
 
+    async def _stale(self, stop: asyncio.Event, key: str, src: str, isolation: str) -> None:
+        """The issue's case, over and over: the snapshot shows the key idle, then a READ
+        COMMITTED partner's event of the key is inserted and claimed, then this producer
+        inserts. The outbox must refuse it (the partner's run holds the key) or, once the
+        partner's event is done, take it as the head."""
+        seq = 0
+        mate = 0
+        turn = 0
+        busy = "SELECT count(*) FROM outbox_events WHERE ordering_key = $1 AND status <> 'done'"
+        while not stop.is_set():
+            if await self.pool.fetchval(busy, key):
+                await asyncio.sleep(0.01)
+                continue
+            how = HOWS[turn % len(HOWS)]
+            turn += 1
+
+            async def meanwhile() -> None:
+                nonlocal mate
+                event_id = await aiooutbox.enqueue(
+                    self.pool, self.topic, {"seq": mate, "src": f"{src}-mate"}, ordering_key=key
+                )
+                mate += 1
+                self.accepted += 1
+                status = "SELECT status::text FROM outbox_events WHERE id = $1"
+                while await self.pool.fetchval(status, event_id) == "pending":
+                    await asyncio.sleep(0.002)
+
+            ids, refused = await produce(
+                self.pool, isolation, how, key, [{"seq": seq, "src": src}], after_snapshot=meanwhile
+            )
+            seq += len(ids)
+            self.accepted += len(ids)
+            self._count(src, refused)
+
     async def _producer(self, stop: asyncio.Event, key: str, src: str, isolation: str) -> None:
         seq = 0
+        mate = 0  # a READ COMMITTED partner's events, inserted after this one's snapshot
         turn = 0
         while not stop.is_set():
             how = HOWS[turn % len(HOWS)]
@@ -142,7 +183,15 @@ class SideTraffic:
             count = 2 if how == "enqueue_many" else 1
             payloads = [{"seq": seq + n, "src": src} for n in range(count)]
 
-            async def meanwhile() -> None:
+            async def meanwhile(partner: bool = src != "rc" and turn % 2 == 1) -> None:
+                nonlocal mate
+                if partner:
+                    # the key changes under the snapshot for sure: a partner's event
+                    await aiooutbox.enqueue(
+                        self.pool, self.topic, {"seq": mate, "src": f"{src}-mate"}, ordering_key=key
+                    )
+                    mate += 1
+                    self.accepted += 1
                 await asyncio.sleep(random.random() * 0.1)
 
             ids, refused = await produce(
@@ -150,16 +199,19 @@ class SideTraffic:
             )
             seq += len(ids)
             self.accepted += len(ids)
-            self.refusals[src] += len(refused)
-            for exc in refused:
-                if isinstance(exc, asyncpg.UniqueViolationError):
-                    self.kinds["head"] += 1
-                elif "ordering key" in str(exc):
-                    self.kinds["snapshot"] += 1
-                else:
-                    self.kinds["ssi"] += 1
-            if src == "rc" and refused:
-                self.unexpected.append(f"READ COMMITTED refused: {refused[0]!r}")
+            self._count(src, refused)
+
+    def _count(self, src: str, refused: list[BaseException]) -> None:
+        self.refusals[src] += len(refused)
+        for exc in refused:
+            if isinstance(exc, asyncpg.UniqueViolationError):
+                self.kinds["head"] += 1
+            elif "ordering key" in str(exc):
+                self.kinds["snapshot"] += 1
+            else:
+                self.kinds["ssi"] += 1
+        if src == "rc" and refused:
+            self.unexpected.append(f"READ COMMITTED refused: {refused[0]!r}")
 
     async def _raw(self, stop: asyncio.Event) -> None:
         seq = 0
