@@ -1,7 +1,7 @@
 """Flow control for operators: pause, resume and limit topics; list them; the history.
 
 Re-exported by `aiooutbox.admin`. Every change runs in one transaction that first
-takes the outbox's flow lock exclusively (migration 0011): it waits for the claims
+takes the outbox's flow lock exclusively (migration 0010): it waits for the claims
 under way, holds new ones back until it commits, and is then seen by every claim
 after it. The change and its log entry commit together, and a notification tells
 running consumers to re-read the controls (a resume also wakes the topic's consumers).

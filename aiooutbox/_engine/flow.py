@@ -1,7 +1,7 @@
 """A consumer's side of flow control: its view of the topic controls, and the claims
 of its limited topics.
 
-The database is the authority (migration 0011): the open claim leaves out paused and
+The database is the authority (migration 0010): the open claim leaves out paused and
 limited topics whatever a consumer believes, and `<table>_claim_limited` decides how
 many rows a limited topic may give. This view only decides what to ask for and when:
 

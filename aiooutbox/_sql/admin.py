@@ -135,7 +135,7 @@ class AdminQueries:
     def delete_dead(self) -> str:
         # $1 ids or NULL, $2 topic or NULL, $3 age in seconds or NULL, $4 the most rows
         # to delete or NULL: one row (deleted ids, keys promoted, keys skipped). The keys
-        # a deleted event blocked move on to their next event (migration 0010)
+        # a deleted event blocked move on to their next event (migration 0009)
         return (
             f"SELECT * FROM {self._function('delete_dead')}"
             "($1::bigint[], $2::text, $3::float8, $4::int)"

@@ -1,4 +1,4 @@
-"""The statements of flow control (migration 0011), named, for one outbox.
+"""The statements of flow control (migration 0010), named, for one outbox.
 
 What consumers run to read the controls and claim limited topics, and what operators
 run to change and list them. Same rules as `_sql`: identifiers validated and quoted,
@@ -41,7 +41,7 @@ class FlowQueries:
 
     @property
     def lock_key(self) -> str:
-        # the key the claim functions take shared (0011)
+        # the key the claim functions take shared (0010)
         return f"aiooutbox-flow:{self.outbox.schema}.{self.outbox.table}"
 
     # -- consumers -------------------------------------------------------------------

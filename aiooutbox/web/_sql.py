@@ -126,7 +126,7 @@ class WebQueries:
 
     @property
     def dead_by_topic(self) -> str:
-        # $1 bound: through the dead index (0012), index-only; with those that died in
+        # $1 bound: through the dead index (0011), index-only; with those that died in
         # the last day
         return (
             "SELECT topic, count(*), count(*) FILTER (WHERE finished_at > now() - interval '1 day')"

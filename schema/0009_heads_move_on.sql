@@ -1,4 +1,4 @@
--- aiooutbox 0010: every way a key's head leaves leads to the key's next event.
+-- aiooutbox 0009: every way a key's head leaves leads to the key's next event.
 -- compatible-with: 2
 --
 -- Placeholders: schema, table and channel, in double braces (see 0001).

@@ -1,4 +1,4 @@
--- aiooutbox 0013: the inbox, for services that consume from a broker.
+-- aiooutbox 0012: the inbox, for services that consume from a broker.
 -- compatible-with: 2
 --
 -- One row per (consumer, message id) a receiving service has processed, written in the

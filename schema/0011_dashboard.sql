@@ -1,4 +1,4 @@
--- aiooutbox 0012: the dashboard's audit log, and an index over dead events.
+-- aiooutbox 0011: the dashboard's audit log, and an index over dead events.
 -- compatible-with: 2
 --
 -- Placeholders: schema, table and channel, in double braces (see 0001).

@@ -1,4 +1,4 @@
--- aiooutbox 0011: flow control per topic: pause and resume, a global limit on running
+-- aiooutbox 0010: flow control per topic: pause and resume, a global limit on running
 -- events, a rate limit; every change logged.
 -- compatible-with: 2
 --
