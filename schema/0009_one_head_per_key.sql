@@ -21,8 +21,10 @@
 --    also makes sure that a row it puts behind an event of the key is behind one that is
 --    still unfinished: a snapshot can show an event that has finished since (the new row
 --    would then wait for a promotion that already happened); when no row it sees is
---    provably current (untouched since it was written: `xmax` 0 or its writer's) it raises a
---    serialization failure, which those isolation levels ask callers to retry anyway.
+--    provably current (untouched since it was written: `xmax` 0, or its writer's own
+--    lock) it raises a serialization failure, which those isolation levels ask callers
+--    to retry anyway. Lease recovery and failed settlements hand the key on without two
+--    of its rows in the index at once (see their bodies below).
 --    READ COMMITTED producers decide as before (their statement's snapshot follows the
 --    key's lock) and never see either error.
 -- 2. A raw INSERT could set `status` ('processing': never handled, recovered or made
