@@ -149,8 +149,12 @@ async def test_bad_database_lists_are_one_line_and_publish_nothing(
         env = clean_env()
         relay = ("relay", "--to", NATS_URL)
         unreachable = f"postgresql://postgres@127.0.0.1:{free_port()}/nowhere"
-        same = dsn.replace("postgresql://postgres@", "postgres://someone:secret@") + (
-            "?sslmode=disable"
+        # the same database under another user and options (the embedded server's DSN
+        # already has a query: its socket directory)
+        same = (
+            dsn.replace("postgresql://postgres@", "postgres://someone:secret@")
+            + ("&" if "?" in dsn else "?")
+            + "sslmode=disable"
         )
         bad_file = tmp_path / "bad.txt"
         bad_file.write_text(f"# tenants\na={dsn}\n\nb=mysql://x/y\n")
