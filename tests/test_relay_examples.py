@@ -124,7 +124,11 @@ async def test_relay_doc_tansu_commands_relay_to_kafka(dsn: str) -> None:
             if await done(dsn) == 1 or proc.returncode is not None:
                 break
             await asyncio.sleep(0.1)
-        assert await done(dsn) == 1, "the relay did not publish the event"
+        if await done(dsn) != 1:
+            if proc.returncode is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+            _, err = await asyncio.wait_for(proc.communicate(), 60)
+            pytest.fail(f"the relay did not publish the event (exit {proc.returncode}): {err!r}")
         (message,) = await kafka_read(f"127.0.0.1:{port}", "docs.kafka", 1)
         assert json.loads(message.value) == {"n": 1}
     finally:
