@@ -13,6 +13,7 @@ GRANT and the consumer runs unregistered; a failed write is retried at the next 
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import logging
 import os
 import socket
@@ -50,8 +51,6 @@ class Registry:
 
     async def register(self) -> None:
         """Write this consumer's row (at start, and again when a touch finds none)."""
-        from .. import __version__
-
         o = self._o
         await self._run(
             "execute",
@@ -63,7 +62,7 @@ class Registry:
             o.ahead,
             self._topics,
             o.lease_timeout,
-            __version__,
+            _version(),
             self._expires_in,
         )
         self.registered = not self.disabled
@@ -128,3 +127,11 @@ class Registry:
             fix,
             extra={"worker_id": self._o.worker_id},
         )
+
+
+def _version() -> str:
+    """This distribution's version ("unknown" from a checkout never installed)."""
+    try:
+        return importlib.metadata.version("aiooutbox")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
