@@ -3,9 +3,9 @@
 Server-sent events rather than polling from each browser: the server runs one cheap
 statement per interval (the newest id, the table's write counters, the newest audit
 entry, consumers registered or gone) while at least one page is open, however many
-are, and pushes the result only when it changed. A page whose pulse moved fetches its own content again; those reads go
-through `Cache`, so browsers showing the same view share one set of queries per
-interval. Nothing here touches a consumer, and no query runs per event.
+are, and pushes the result only when it changed. A page whose pulse moved fetches its
+own content again; those reads go through `Cache`, so browsers showing the same view
+share one set of queries per interval. Nothing here touches a consumer, and no query runs per event.
 """
 
 from __future__ import annotations
