@@ -187,6 +187,10 @@ async def open_dashboard(dsn: str, browsers: int) -> AsyncIterator[dict[str, int
             finally:
                 fetching.cancel()
 
+    import psutil
+
+    server = psutil.Process(proc.pid)
+    cpu = server.cpu_times()
     tasks = [asyncio.create_task(browser(VIEWS[i % len(VIEWS)])) for i in range(browsers)]
     try:
         yield stats
@@ -194,6 +198,9 @@ async def open_dashboard(dsn: str, browsers: int) -> AsyncIterator[dict[str, int
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        end = server.cpu_times()
+        # the dashboard process itself (rendering, SSE), on the same cores as the drain
+        stats["process_cpu_ms"] = round((end.user + end.system - cpu.user - cpu.system) * 1000)
         proc.terminate()
         await proc.wait()
 
@@ -258,6 +265,7 @@ async def drain_with_dashboard(bench: Any, n: int, rounds: int, browsers: int) -
     off = [x["rate"] for x in runs["off"]]
     ratio = median(on) / median(off)
     pairs = [a / b for a, b in zip(on, off, strict=True)]
+    process_per_s = [x["process_cpu_ms"] / 1000 / x["wall_s"] for x in seen]
     cpu_per_s = [
         x["dashboard_db_cpu_s"] / x["wall_s"] for x in seen if x["dashboard_db_cpu_s"] is not None
     ]
@@ -269,7 +277,8 @@ async def drain_with_dashboard(bench: Any, n: int, rounds: int, browsers: int) -
     bench.log(
         f"  the dashboard's database CPU: {median(cpu_per_s) * 100:.2f}% of a core"
         f" ({median(cpu_per_s) * REFRESH * 1000:.1f} ms per {REFRESH:g} s interval);"
-        f" pulse: {cost['server_ms']} ms server, {cost['round_trip_ms']} ms round trip"
+        f" pulse: {cost['server_ms']} ms server, {cost['round_trip_ms']} ms round trip;"
+        f" the dashboard process: {median(process_per_s) * 100:.1f}% of a core"
     )
     return {
         "events": n,
@@ -283,6 +292,7 @@ async def drain_with_dashboard(bench: Any, n: int, rounds: int, browsers: int) -
         "db_cpu_on_s": [x["db_cpu_s"] for x in runs["on"]],
         "dashboard": seen,
         "dashboard_db_cpu_share": round(median(cpu_per_s), 5) if cpu_per_s else None,
+        "dashboard_process_cpu_share": round(median(process_per_s), 4),
         "pulse": cost,
         "ratio": round(ratio, 3),
     }
