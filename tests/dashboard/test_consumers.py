@@ -8,6 +8,7 @@ import os
 import socket
 import sys
 import uuid
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -96,11 +97,13 @@ async def _registered(pool: asyncpg.Pool) -> dict[str, tuple[int, int, float]]:
 
 
 @pytest.mark.slow
-async def test_the_consumers_page_shows_what_each_consumer_was_started_with(dsn: str) -> None:
+async def test_the_consumers_page_shows_what_each_consumer_was_started_with(
+    dsn: str, tmp_path: Path
+) -> None:
     """Two live consumers with different settings show their own concurrency, prefetch,
     topics, host and pid in the browser; one stopped cleanly disappears; one killed
     shows as gone once its heartbeat stops (lease_timeout 2 s)."""
-    from tests.dashboard.browser import browser_page
+    from tests.dashboard.browser import browser_page, screenshot
     from tests.dashboard.server import dashboard
 
     pool = await asyncpg.create_pool(dsn, min_size=1, max_size=6)
@@ -153,6 +156,7 @@ async def test_the_consumers_page_shows_what_each_consumer_was_started_with(dsn:
                 assert await w.page.locator('tr[data-worker="leaving-2"]').count() == 0
                 assert await rows.count() == 3, await w.page.inner_text("table.workers")
                 assert w.dialogs == []
+                await screenshot(w.page, "consumers", tmp_path)
     finally:
         if killed.returncode is None:
             killed.kill()
