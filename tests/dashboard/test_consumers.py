@@ -153,6 +153,8 @@ async def test_the_consumers_page_shows_what_each_consumer_was_started_with(
                 assert "\tb\t" in big_row, big_row  # its topics
                 assert await cell("killed-worker", "state").inner_text() == "gone"
                 assert await cell("killed-worker", "concurrency").inner_text() == "5"
+                killed_row = await w.page.locator('tr[data-worker="killed-worker"]').inner_text()
+                assert "in in" not in killed_row and "expired" in killed_row, killed_row
                 assert await w.page.locator('tr[data-worker="leaving-2"]').count() == 0
                 assert await rows.count() == 3, await w.page.inner_text("table.workers")
                 assert w.dialogs == []
