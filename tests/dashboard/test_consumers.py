@@ -209,3 +209,35 @@ async def test_a_viewer_without_select_on_the_registry_still_sees_the_page(dsn: 
         await admin.execute(f'DROP OWNED BY "{role}"')
         await admin.execute(f'DROP ROLE IF EXISTS "{role}"')
         await admin.close()
+
+
+async def test_a_consumer_starting_and_stopping_moves_the_pulse(dsn: str) -> None:
+    """Open pages refresh when a consumer registers or leaves (its row's insert and
+    delete), though nothing else in the outbox changed; its heartbeats do not."""
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=4)
+    app = create_app(pool=pool, read_only=True)
+    hub = app.state.dashboard.hub
+    try:
+        before = await hub.read_pulse()
+        consumer = aiooutbox.OutboxConsumer(pool, worker_id="pulse-mover", lease_timeout=3.0)
+        async with running(consumer, {"t": _nothing}):
+            await consumer.wait_started()
+
+            async def moved() -> bool:
+                return await hub.read_pulse() != before
+
+            await wait_until(moved, timeout=15)
+            registered = await hub.read_pulse()
+            assert registered.split(".")[:3] == before.split(".")[:3], (before, registered)
+        stopped = registered
+
+        async def moved_again() -> bool:
+            nonlocal stopped
+            stopped = await hub.read_pulse()
+            return stopped != registered
+
+        await wait_until(moved_again, timeout=15)
+        assert int(stopped.split(".")[3]) > int(registered.split(".")[3]), (registered, stopped)
+    finally:
+        await app.state.dashboard.aclose()
+        await pool.close()
