@@ -17,6 +17,7 @@ import pytest
 
 import aiooutbox
 from aiooutbox.web import create_app
+from aiooutbox.web._live import LiveHub
 from tests.helpers import running, wait_until
 from tests.test_roles import as_user, documented_grants
 
@@ -216,7 +217,7 @@ async def test_a_consumer_starting_and_stopping_moves_the_pulse(dsn: str) -> Non
     delete), though nothing else in the outbox changed; its heartbeats do not."""
     pool = await asyncpg.create_pool(dsn, min_size=1, max_size=4)
     app = create_app(pool=pool, read_only=True)
-    hub = app.state.dashboard.hub
+    hub: LiveHub = app.state.dashboard.hub
     try:
         before = await hub.read_pulse()
         consumer = aiooutbox.OutboxConsumer(pool, worker_id="pulse-mover", lease_timeout=3.0)
@@ -224,7 +225,7 @@ async def test_a_consumer_starting_and_stopping_moves_the_pulse(dsn: str) -> Non
             await consumer.wait_started()
 
             async def moved() -> bool:
-                return await hub.read_pulse() != before
+                return bool(await hub.read_pulse() != before)
 
             await wait_until(moved, timeout=15)
             registered = await hub.read_pulse()
@@ -234,7 +235,7 @@ async def test_a_consumer_starting_and_stopping_moves_the_pulse(dsn: str) -> Non
         async def moved_again() -> bool:
             nonlocal stopped
             stopped = await hub.read_pulse()
-            return stopped != registered
+            return bool(stopped != registered)
 
         await wait_until(moved_again, timeout=15)
         assert int(stopped.split(".")[3]) > int(registered.split(".")[3]), (registered, stopped)
