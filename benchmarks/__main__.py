@@ -33,6 +33,7 @@ SCENARIOS = (
     "flow",
     "relay",
     "dashboard",  # only with --only: it builds a 10M-row database (minutes)
+    "dashboard-drain",  # only with --only: the drain with a dashboard open, alone
 )
 DEFAULT_OUT = Path("benchmarks/results")
 
@@ -109,6 +110,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="aiooutbox's settings when not tuning, instead of the defaults, e.g. "
         '\'{"concurrency": 500, "pool_size": 6, "prefetch": 1500}\'',
     )
+    parser.add_argument(
+        "--dashboard-rounds",
+        type=int,
+        metavar="N",
+        help="alternated rounds of the drain with and without a dashboard (default 8)",
+    )
+    parser.add_argument(
+        "--dashboard-drain",
+        type=int,
+        metavar="N",
+        help="events per drain with and without a dashboard (default 200000)",
+    )
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
     if args.backlog is not None and args.backlog < 1:
@@ -137,6 +150,10 @@ def config_from(args: argparse.Namespace) -> Config:
         config.steady_rates = args.steady_rates
     if args.aiooutbox_settings is not None:
         config.aiooutbox_settings = dict(args.aiooutbox_settings)
+    if args.dashboard_rounds is not None:
+        config.dashboard_rounds = args.dashboard_rounds
+    if args.dashboard_drain is not None:
+        config.dashboard_drain = args.dashboard_drain
     if args.patch:
         config.patch = str(args.patch.resolve())
     if args.sql_patch:

@@ -198,9 +198,17 @@ class BackendCpu:
     None). Backends that come and go between two polls are missed.
     """
 
-    def __init__(self, admin_dsn: str, database: str, interval: float = 0.2) -> None:
+    def __init__(
+        self,
+        admin_dsn: str,
+        database: str,
+        interval: float = 0.2,
+        *,
+        application: str | None = None,
+    ) -> None:
         self.admin_dsn = admin_dsn
         self.database = database
+        self.application = application  # only the backends of this application_name
         self.interval = interval
         self._first: dict[int, float] = {}
         self._last: dict[int, float] = {}
@@ -220,8 +228,10 @@ class BackendCpu:
     async def _poll(self, conn: asyncpg.Connection) -> None:
         while True:
             pids = await conn.fetch(
-                "SELECT pid FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+                "SELECT pid FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()"
+                " AND ($2::text IS NULL OR application_name = $2)",
                 self.database,
+                self.application,
             )
             for (pid,) in pids:
                 cpu = self._cpu(pid)

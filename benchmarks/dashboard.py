@@ -3,15 +3,19 @@
 1. every page's server time beside 10M rows (1M pending over 50 topics, 9M done): the
    app in-process, each request through the whole ASGI stack with the page cache
    emptied first, so each one reads the database;
-2. a drain with a dashboard open (a real server, and browsers simulated as the page's
-   own script behaves: an SSE stream, each pulse refetching the overview) vs none,
-   rounds alternated; the ratio of medians should stay ≥ 0.97.
+2. a drain with a dashboard open (a real server at the default 2 s refresh, and
+   browsers simulated as the page's own script behaves: an SSE stream, each changed
+   pulse refetching the page's content; on the overview, consumers, events and dead
+   views) vs none, rounds alternated; the ratio of medians should stay ≥ 0.97. Also
+   measured: the CPU the dashboard's own database sessions use, and the pulse
+   statement's cost. ``--only dashboard-drain`` runs this part alone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 import sys
 import time
@@ -120,9 +124,18 @@ async def pages(bench: Any, done: int, pending: int, repeat: int) -> dict[str, A
     return out
 
 
+# what the simulated browsers show: one each, in turn (the views the operator keeps open)
+VIEWS = ["/", "/consumers", "/events", "/dead"]
+REFRESH = 2.0  # the dashboard's documented default interval (--refresh 2s)
+
+
 @contextlib.asynccontextmanager
 async def open_dashboard(dsn: str, browsers: int) -> AsyncIterator[dict[str, int]]:
-    """A dashboard server with ``browsers`` simulated pages on its overview."""
+    """A dashboard server (``python -m aiooutbox dashboard --refresh 2s``) with
+    ``browsers`` simulated pages, each behaving as the page's own script does: load the
+    page, keep its server-sent event stream open, and on each pulse that differs from
+    what the page shows fetch the page's content again (one fetch at a time; a pulse
+    that arrives during a fetch is fetched once after it)."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -132,6 +145,8 @@ async def open_dashboard(dsn: str, browsers: int) -> AsyncIterator[dict[str, int
         dsn,
         "--port",
         "0",
+        "--refresh",
+        f"{REFRESH:g}s",
         "--log-level",
         "warning",
         stdin=asyncio.subprocess.DEVNULL,
@@ -143,54 +158,154 @@ async def open_dashboard(dsn: str, browsers: int) -> AsyncIterator[dict[str, int
     match = re.search(r"on (http://\S+/)", line)
     assert match, line
     url = match[1].rstrip("/")
-    stats = {"pulses": 0, "refreshes": 0}
+    stats = {"pulses": 0, "refreshes": 0, "streams": 0}
 
-    async def browser() -> None:
+    async def browser(view: str) -> None:
         async with httpx.AsyncClient(timeout=None) as client:
-            await client.get(url + "/")
-            async with client.stream("GET", url + "/live") as stream:
-                async for raw in stream.aiter_lines():
-                    if raw.startswith("data: "):
-                        stats["pulses"] += 1
-                        await client.get(url + "/", headers={"X-Dashboard-Partial": "1"})
-                        stats["refreshes"] += 1
+            first = await client.get(url + view)
+            shown = first.headers.get("x-dashboard-pulse", "")
+            pending = asyncio.Event()
 
-    tasks = [asyncio.create_task(browser()) for _ in range(browsers)]
+            async def fetcher() -> None:
+                nonlocal shown
+                while True:
+                    await pending.wait()
+                    pending.clear()
+                    r = await client.get(url + view, headers={"X-Dashboard-Partial": "1"})
+                    shown = r.headers.get("x-dashboard-pulse", shown)
+                    stats["refreshes"] += 1
+
+            fetching = asyncio.create_task(fetcher())
+            try:
+                async with client.stream("GET", url + "/live") as stream:
+                    stats["streams"] += 1
+                    async for raw in stream.aiter_lines():
+                        if raw.startswith("data: "):
+                            stats["pulses"] += 1
+                            if raw[6:] != shown:
+                                pending.set()
+            finally:
+                fetching.cancel()
+
+    import psutil
+
+    server = psutil.Process(proc.pid)
+    cpu = server.cpu_times()
+    tasks = [asyncio.create_task(browser(VIEWS[i % len(VIEWS)])) for i in range(browsers)]
     try:
         yield stats
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        end = server.cpu_times()
+        # the dashboard process itself (rendering, SSE), on the same cores as the drain
+        stats["process_cpu_ms"] = round((end.user + end.system - cpu.user - cpu.system) * 1000)
         proc.terminate()
         await proc.wait()
 
 
+async def pulse_cost(dsn: str, samples: int = 300) -> dict[str, float]:
+    """The pulse statement's cost: client round trip and server execution time (median)."""
+    from aiooutbox._sql.statements import queries
+    from aiooutbox.web._sql import WebQueries
+
+    sql = WebQueries(queries("public", "outbox_events")).pulse
+    conn = await asyncpg.connect(dsn)
+    try:
+        for _ in range(20):
+            await conn.fetchrow(sql, "public", "outbox_events")
+        trips = []
+        for _ in range(samples):
+            started = time.perf_counter()
+            await conn.fetchrow(sql, "public", "outbox_events")
+            trips.append((time.perf_counter() - started) * 1000)
+        explain = "EXPLAIN (ANALYZE, FORMAT JSON) " + sql
+        server = []
+        for _ in range(50):
+            plan = await conn.fetchval(explain, "public", "outbox_events")
+            server.append(json.loads(plan)[0]["Execution Time"])
+    finally:
+        await conn.close()
+    return {"round_trip_ms": round(median(trips), 3), "server_ms": round(median(server), 3)}
+
+
 async def drain_with_dashboard(bench: Any, n: int, rounds: int, browsers: int) -> dict[str, Any]:
     from .aiooutbox_runner import NAME
+    from .common import BackendCpu
 
     system = bench.systems[NAME]
-    runs: dict[str, list[float]] = {"off": [], "on": []}
-    refreshes = []
+    runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    seen: list[dict[str, Any]] = []
     for r in range(rounds):
         for variant in ("off", "on") if r % 2 == 0 else ("on", "off"):
+            label = f"r{r + 1} {'dashboard' if variant == 'on' else 'no dashboard'} "
             if variant == "on":
-                async with open_dashboard(system.dsn, browsers) as stats:
-                    result = await bench.drain_once(system, n, label=f"r{r + 1} dashboard ")
-                refreshes.append(stats["refreshes"])
+                async with (
+                    open_dashboard(system.dsn, browsers) as stats,
+                    BackendCpu(
+                        bench.admin_dsn, system.database, application="aiooutbox dashboard"
+                    ) as dash_cpu,
+                ):
+                    started = time.perf_counter()
+                    result = await bench.drain_once(system, n, label=label)
+                    wall = time.perf_counter() - started
+                seen.append(
+                    {
+                        **stats,
+                        "wall_s": round(wall, 2),
+                        "dashboard_db_cpu_s": dash_cpu.seconds,
+                        "drain_s": result["elapsed_s"],
+                    }
+                )
             else:
-                result = await bench.drain_once(system, n, label=f"r{r + 1} no dashboard ")
-            runs[variant].append(result["rate"])
-    ratio = median(runs["on"]) / median(runs["off"])
-    bench.log(f"  drain with a dashboard open / without: {ratio:.3f}")
+                result = await bench.drain_once(system, n, label=label)
+            runs[variant].append(result)
+    on = [x["rate"] for x in runs["on"]]
+    off = [x["rate"] for x in runs["off"]]
+    ratio = median(on) / median(off)
+    pairs = [a / b for a, b in zip(on, off, strict=True)]
+    process_per_s = [x["process_cpu_ms"] / 1000 / x["wall_s"] for x in seen]
+    cpu_per_s = [
+        x["dashboard_db_cpu_s"] / x["wall_s"] for x in seen if x["dashboard_db_cpu_s"] is not None
+    ]
+    cost = await pulse_cost(system.dsn)
+    bench.log(
+        f"  drain with a dashboard open / without: {ratio:.3f} (medians {median(on):,.0f}"
+        f" vs {median(off):,.0f}/s; per round {min(pairs):.3f}-{max(pairs):.3f})"
+    )
+    bench.log(
+        f"  the dashboard's database CPU: {median(cpu_per_s) * 100:.2f}% of a core"
+        f" ({median(cpu_per_s) * REFRESH * 1000:.1f} ms per {REFRESH:g} s interval);"
+        f" pulse: {cost['server_ms']} ms server, {cost['round_trip_ms']} ms round trip;"
+        f" the dashboard process: {median(process_per_s) * 100:.1f}% of a core"
+    )
     return {
         "events": n,
         "browsers": browsers,
-        "rates_off": runs["off"],
-        "rates_on": runs["on"],
-        "overview_refreshes": refreshes,
+        "views": [VIEWS[i % len(VIEWS)] for i in range(browsers)],
+        "refresh_s": REFRESH,
+        "rates_off": off,
+        "rates_on": on,
+        "round_ratios": [round(p, 3) for p in pairs],
+        "db_cpu_off_s": [x["db_cpu_s"] for x in runs["off"]],
+        "db_cpu_on_s": [x["db_cpu_s"] for x in runs["on"]],
+        "dashboard": seen,
+        "dashboard_db_cpu_share": round(median(cpu_per_s), 5) if cpu_per_s else None,
+        "dashboard_process_cpu_share": round(median(process_per_s), 4),
+        "pulse": cost,
         "ratio": round(ratio, 3),
     }
+
+
+async def drain_only(bench: Any) -> None:
+    """``--only dashboard-drain``: the drain part alone (no 10M-row database)."""
+    config = bench.config
+    bench.log("dashboard: drain with a dashboard open vs without")
+    result = await drain_with_dashboard(
+        bench, config.dashboard_drain, config.dashboard_rounds, config.dashboard_browsers
+    )
+    bench.results["dashboard"] = {"drain": result}
 
 
 async def run(bench: Any) -> None:

@@ -409,7 +409,7 @@ def markdown(results: dict[str, Any]) -> str:
             )
 
     board = results.get("dashboard")
-    if board:
+    if board and board.get("pages"):
         lines += [
             "",
             f"## Dashboard pages beside {board['rows']:,} rows (server time, cache emptied)",
@@ -419,14 +419,30 @@ def markdown(results: dict[str, Any]) -> str:
         ]
         for name, row in board["pages"].items():
             lines.append(f"| {name} | {_fmt(row['median_ms'], 1)} | {_fmt(row['max_ms'], 1)} |")
-        drain = board.get("drain")
-        if drain:
-            lines += [
-                "",
-                f"Drain of {drain['events']:,} events with a dashboard open"
-                f" ({drain['browsers']} simulated pages on the overview) / without:"
-                f" {_fmt(drain['ratio'], 3)} (medians of {len(drain['rates_on'])} rounds each).",
-            ]
+    drain = (board or {}).get("drain")
+    if drain:
+        pairs = drain.get("round_ratios") or []
+        lines += [
+            "",
+            f"## Drain of {drain['events']:,} events with a dashboard open / without",
+            "",
+            f"{drain['browsers']} simulated pages ({', '.join(drain.get('views', []))}),"
+            f" refresh {drain.get('refresh_s', 2):g} s. Ratio of medians"
+            f" **{_fmt(drain['ratio'], 3)}** over {len(drain['rates_on'])} alternated rounds"
+            f" each (medians {_fmt(median(drain['rates_on']))} vs"
+            f" {_fmt(median(drain['rates_off']))}/s"
+            + (f"; per round {min(pairs):.3f}-{max(pairs):.3f}" if pairs else "")
+            + ").",
+        ]
+        if drain.get("pulse"):
+            share = drain.get("dashboard_db_cpu_share")
+            lines.append(
+                ""
+                if share is None
+                else f"The dashboard's database sessions used {share * 100:.2f}% of a core"
+                f" while open; the pulse statement takes {drain['pulse']['server_ms']} ms"
+                f" on the server ({drain['pulse']['round_trip_ms']} ms round trip)."
+            )
 
     relay = results.get("relay")
     if relay:

@@ -161,8 +161,8 @@ class Config:
     dashboard_pending: int = 1_000_000
     dashboard_repeat: int = 5
     dashboard_drain: int = 200_000
-    dashboard_rounds: int = 4
-    dashboard_browsers: int = 3
+    dashboard_rounds: int = 8
+    dashboard_browsers: int = 4
 
     @classmethod
     def quick(cls) -> Config:
@@ -371,6 +371,7 @@ class Bench:
                 "observe": self.cost_of_observing,
                 "relay": self.relay,
                 "dashboard": functools.partial(dashboard.run, self),
+                "dashboard-drain": functools.partial(dashboard.drain_only, self),
                 "ordering": functools.partial(ordering_isolation.ordering, self),
                 "isolation": functools.partial(ordering_isolation.isolation, self),
                 "flow": functools.partial(flow.flow, self),

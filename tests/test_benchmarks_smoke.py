@@ -345,6 +345,18 @@ def test_cli_parses_the_documented_command() -> None:
     for bad in ("[1]", "{not json"):
         with pytest.raises(SystemExit):
             parse(["--dsn", "x", "--aiooutbox-settings", bad])
+    argv = ["--dsn", "x", "--only", "dashboard-drain", "--dashboard-rounds", "9"]
+    config = config_from(parse([*argv, "--dashboard-drain", "5000"]))
+    assert config.scenarios == ["dashboard-drain"]
+    assert (config.dashboard_rounds, config.dashboard_drain) == (9, 5000)
+
+
+def test_the_report_renders_a_drain_with_a_dashboard_alone(tmp_path: Path) -> None:
+    """`--only dashboard-drain` results (no pages): the committed run renders."""
+    run = Path(__file__).resolve().parent.parent / "benchmarks/results/dashboard_drain"
+    results = json.loads((run / "run1_200k_8rounds.json").read_text())
+    markdown = report.write(results, tmp_path, plots=False)["markdown"].read_text()
+    assert "with a dashboard open / without" in markdown and "**0.927**" in markdown, markdown
 
 
 def test_latency_grew_tells_a_building_backlog_from_a_steady_one() -> None:

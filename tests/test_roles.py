@@ -274,6 +274,11 @@ async def test_viewer_role_reads_the_read_only_dashboard_and_changes_nothing(dsn
         await admin.execute(
             "UPDATE outbox_events SET status = 'dead', blocks_key = true WHERE id = $1", dead
         )
+        await admin.execute(
+            "INSERT INTO outbox_events_consumers (worker_id, host, pid, concurrency, prefetch,"
+            " lease_timeout, version, expires_at)"
+            " VALUES ('registered-7', 'h', 1, 7, 0, 30, 'v', now() + interval '1 minute')"
+        )
         pool = await asyncpg.create_pool(as_user(dsn, role), min_size=1, max_size=2)
         try:
             app = create_app(pool=pool, read_only=True)
@@ -291,6 +296,9 @@ async def test_viewer_role_reads_the_read_only_dashboard_and_changes_nothing(dsn
                 ):
                     r = await client.get(path)
                     assert r.status_code == 200, (path, r.text[-2000:])
+                    if path == "/consumers":  # the registry is readable: concurrency shown
+                        assert '<td class="concurrency">7</td>' in r.text, r.text[-3000:]
+                        assert "may not read" not in r.text
             await app.state.dashboard.aclose()
             assert (await aiooutbox.admin.stats(pool)).topics
             with pytest.raises(asyncpg.InsufficientPrivilegeError):

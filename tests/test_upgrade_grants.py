@@ -10,6 +10,7 @@ with one line that names the GRANT to run, not a raw permission error.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import subprocess
 import uuid
@@ -166,3 +167,27 @@ async def test_a_producer_with_the_previous_grants_still_enqueues(
         assert first is not None and second is not None and first < second
     finally:
         await conn.close()
+
+
+async def test_a_consumer_without_the_registry_grant_runs_unregistered_and_names_it(
+    dsn: str, old_roles: tuple[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The registry only informs operators: a role without its grant gets one warning
+    naming the GRANT, and the consumer handles events all the same."""
+    _, role = old_roles
+    admin = await asyncpg.connect(dsn)
+    try:
+        await admin.execute(f'GRANT SELECT ON "public"."outbox_events_migrations_compat" TO {role}')
+        await admin.execute(f'GRANT SELECT, UPDATE ON "public"."outbox_events_flow" TO {role}')
+        await aiooutbox.enqueue(admin, "t", {})
+    finally:
+        await admin.close()
+    grant = f'GRANT SELECT, INSERT, UPDATE, DELETE ON "public"."outbox_events_consumers" TO {role};'
+    caplog.set_level(logging.WARNING, logger="aiooutbox")
+    async with asyncpg.create_pool(as_user(dsn, role), min_size=1, max_size=4) as pool:
+        consumer = aiooutbox.OutboxConsumer(pool, poll_interval=0.1, lease_timeout=3.0)
+        async with running(consumer, {"t": _nothing}):
+            await wait_until(lambda: _done(pool, 1), timeout=20)
+            await asyncio.sleep(1.5)  # a heartbeat: it does not try (and warn) again
+    warned = [r.getMessage() for r in caplog.records if "unregistered" in r.getMessage()]
+    assert len(warned) == 1 and grant in warned[0] and "\n" not in warned[0], warned

@@ -29,6 +29,7 @@ from .leases import Leases
 from .listener import Listener
 from .maintenance import Maintenance
 from .options import ConsumerOptions
+from .registry import Registry
 from .rows import ClaimedRow, ConsumerStats
 from .settler import Settler
 from .signals import Signals
@@ -159,6 +160,8 @@ class Engine:
                     await services.start(self.listener.run)
                 self.startup_scope = None
             await services.start(flow.run)
+            registry = Registry(self._pool, o, topics)
+            await registry.register()
             self._started.set()
             services.start_soon(settler.run)
             maintenance = Maintenance(
@@ -171,6 +174,7 @@ class Engine:
                 retention=o.retention,
                 statement_timeout=o.statement_timeout,
                 orphan_sweep_interval=o.orphan_sweep_interval,
+                registry=registry,
             )
             services.start_soon(maintenance.heartbeat_loop)
             services.start_soon(maintenance.recovery_loop)
@@ -240,6 +244,7 @@ class Engine:
                         )
                     if o.listen:
                         await _quietly(declare(self._pool, o, topics, busy=True))
+                    await registry.remove()
                 services.cancel_scope.cancel()
         logger.info(
             "consumer %s stopped: %s", o.worker_id, self._stats, extra={"worker_id": o.worker_id}

@@ -22,6 +22,7 @@ from .._sql.db import TRANSIENT_ERRORS, bounded, check_permanent
 from .._sql.statements import Queries
 from .._values.text import exception_summary
 from .leases import Leases
+from .registry import Registry
 
 __all__ = ["Maintenance"]
 
@@ -48,6 +49,7 @@ class Maintenance:
         retention: float | None,
         statement_timeout: float,
         orphan_sweep_interval: float,
+        registry: Registry | None = None,
     ) -> None:
         self._pool = pool
         self._q = queries
@@ -58,15 +60,19 @@ class Maintenance:
         self._retention = retention
         self._timeout = statement_timeout
         self._sweep_interval = orphan_sweep_interval
+        self._registry = registry
         self.sweeps = 0  # orphan sweeps completed
 
     async def heartbeat_loop(self) -> None:
-        """Extend the leases of handlers that run longer than a sixth of the lease."""
+        """Extend the leases of handlers that run longer than a sixth of the lease;
+        touch this consumer's row in the registry (one small statement a beat)."""
         interval = self._lease_timeout / 3
         while True:
             await anyio.sleep(interval * random.uniform(0.8, 1.0))
             # before the statement: the lease it sets ends no earlier than this + lease
             await self.renew_due(time.monotonic())
+            if self._registry is not None:
+                await self._registry.beat()
 
     async def renew_due(self, now: float) -> None:
         """One heartbeat at ``now`` (monotonic): extend the leases extended at least a

@@ -16,6 +16,7 @@ from .._sql.flow import ALL_TOPICS, flow_queries
 from ._counts import BOUND, Count, bounded, estimate_rows, estimated, exact
 from ._filters import PAGE, WINDOW, EventFilter
 from ._sql import WebQueries
+from ._workers import Worker, read_workers
 
 __all__ = ["Overview", "TopicRow", "event_page", "load_event", "overview"]
 
@@ -49,26 +50,6 @@ class TopicRow:
 
 
 @dataclass
-class Worker:
-    worker_id: str
-    held: int = 0
-    oldest_claim: float | None = None
-    lease_left: float | None = None  # seconds until its latest lease expires
-    topics: list[str] = field(default_factory=list)
-    idle_topics: list[str] | None = None
-    idle_left: float | None = None
-
-    @property
-    def relay(self) -> bool:
-        return self.worker_id.startswith("relay ") and " @" in self.worker_id
-
-    @property
-    def destination(self) -> str:
-        """``SINK:DESTINATION`` of a relay (see `aiooutbox.relay`'s worker ids)."""
-        return self.worker_id[len("relay ") :].rsplit(" @", 1)[0] if self.relay else ""
-
-
-@dataclass
 class Overview:
     topics: list[TopicRow]
     totals: dict[str, Count]
@@ -83,6 +64,7 @@ class Overview:
     extra_columns: list[tuple[str, str]] = field(default_factory=list)
     all_paused: bool = False  # `aiooutbox.admin.pause_all` holds every topic
     flow_unreadable: str | None = None  # why the flow columns are missing
+    registry_unreadable: str | None = None  # why concurrency, host and heartbeat are missing
 
 
 async def _sample(conn: Any, w: WebQueries) -> tuple[float, bool, list[Any]]:
@@ -214,9 +196,11 @@ async def consumers(conn: Any, w: WebQueries) -> Overview:
     return _overview(topics, [], workers, listeners, hidden, MvccReport())
 
 
-async def _consumers(conn: Any, w: WebQueries) -> tuple[list[Worker], list[dict[str, Any]], int]:
+async def _consumers(
+    conn: Any, w: WebQueries
+) -> tuple[tuple[list[Worker], str | None], list[dict[str, Any]], int]:
     q = w.outbox
-    workers = await _workers(conn, w)
+    workers = await read_workers(conn, w)
     listeners = [
         {
             "pid": r[0],
@@ -235,7 +219,7 @@ async def _consumers(conn: Any, w: WebQueries) -> tuple[list[Worker], list[dict[
 def _overview(
     rows: list[TopicRow],
     hourly_counts: list[Count],
-    workers: list[Worker],
+    workers: tuple[list[Worker], str | None],
     listeners: list[dict[str, Any]],
     hidden: int,
     mvcc: MvccReport,
@@ -261,24 +245,13 @@ def _overview(
         done_hour=totals["done_hour"],
         done_day=totals["done_day"],
         hourly=hourly_counts,
-        workers=workers,
+        workers=workers[0],
+        registry_unreadable=workers[1],
         listeners=listeners,
         hidden_sessions=hidden,
         mvcc=mvcc,
         table_rows=sum((getattr(r, s) for r in rows for s in STATUSES), exact(0)),
     )
-
-
-async def _workers(conn: Any, w: WebQueries) -> list[Worker]:
-    found: dict[str, Worker] = {}
-    for worker_id, held, oldest, left, topics in await conn.fetch(w.workers):
-        found[worker_id or "?"] = Worker(worker_id or "?", held, oldest, left, list(topics))
-    for worker_id, topics, left in await conn.fetch(w.idle_workers):
-        if left is not None and left < -60:
-            continue  # an advert long expired: its consumer is gone
-        worker = found.setdefault(worker_id, Worker(worker_id))
-        worker.idle_topics, worker.idle_left = list(topics), left
-    return sorted(found.values(), key=lambda x: x.worker_id)
 
 
 # -- events ---------------------------------------------------------------------------

@@ -2,10 +2,10 @@
 
 Server-sent events rather than polling from each browser: the server runs one cheap
 statement per interval (the newest id, the table's write counters, the newest audit
-entry) while at least one page is open, however many are, and pushes the result only
-when it changed. A page whose pulse moved fetches its own content again; those reads go
-through `Cache`, so browsers showing the same view share one set of queries per
-interval. Nothing here touches a consumer, and no query runs per event.
+entry, consumers registered or gone) while at least one page is open, however many
+are, and pushes the result only when it changed. A page whose pulse moved fetches its
+own content again; those reads go through `Cache`, so browsers showing the same view
+share one set of queries per interval. Nothing here touches a consumer, and no query runs per event.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class LiveHub:
         async with self._acquire() as conn:
             row = await conn.fetchrow(self._w.pulse, q.schema, q.table)
         self.polls += 1
-        return f"{row[0] or 0}.{row[1] or 0}.{row[2] or 0}"
+        return ".".join(str(v or 0) for v in row)
 
     async def subscribe(self) -> AsyncIterator[str]:
         """Server-sent event lines for one page, until it goes away or we close."""

@@ -40,12 +40,24 @@ class WebQueries:
     @property
     def pulse(self) -> str:
         # newest id (the primary key's last entry), the table's write counters, the
-        # newest audit entry: any change means the pages may have changed
+        # newest audit entry, and the registry's inserts and deletes (a consumer started
+        # or stopped; its heartbeats are updates, left out): any change means the pages
+        # may have changed. The counters are read with the functions behind
+        # pg_stat_user_tables, not the view (which joins pg_index and groups: 5x the
+        # time); to_regclass is NULL for a registry not migrated yet, and so its counts.
+        # $1 schema, $2 table
         return (
             f"SELECT (SELECT max(id) FROM {self.t}),"
-            " (SELECT n_tup_ins + n_tup_upd + n_tup_del FROM pg_catalog.pg_stat_user_tables"
-            "  WHERE schemaname = $1 AND relname = $2),"
-            f" (SELECT max(id) FROM {self.audit_table})"
+            " (SELECT pg_catalog.pg_stat_get_tuples_inserted(r)"
+            " + pg_catalog.pg_stat_get_tuples_updated(r)"
+            " + pg_catalog.pg_stat_get_tuples_deleted(r)"
+            " FROM pg_catalog.to_regclass(pg_catalog.quote_ident($1) || '.'"
+            " || pg_catalog.quote_ident($2)) AS r),"
+            f" (SELECT max(id) FROM {self.audit_table}),"
+            " (SELECT pg_catalog.pg_stat_get_tuples_inserted(r)"
+            " + pg_catalog.pg_stat_get_tuples_deleted(r)"
+            " FROM pg_catalog.to_regclass(pg_catalog.quote_ident($1) || '.'"
+            " || pg_catalog.quote_ident($2 || '_consumers')) AS r)"
         )
 
     # -- overview -------------------------------------------------------------------

@@ -127,10 +127,18 @@ async def test_every_page_renders_and_shows_the_sql_counts(dsn: str, tmp_path: P
             key_row = page.locator("table.keys tbody tr", has_text="order-7")
             assert await key_row.count() == 1
             assert "2" in await key_row.locator("td:nth-child(7)").inner_text()
+            blocked = await conn.fetchval(
+                "SELECT count(*) FROM outbox_events WHERE status = 'dead' AND blocks_key"
+            )
+            assert await page.inner_text("#keys-count") == (
+                f"{blocked} blocked key(s), exact; the waiting counts are exact below 50,000"
+                " (≈ above)."
+            )
             await screenshot(page, "keys", tmp_path)
 
             await page.goto(d.at("/consumers"))
-            assert await page.locator("table.workers", has_text="host:1:w").count() == 1
+            worker = page.locator('table.workers tr[data-worker="host:1:w"]')
+            assert await worker.locator("td.state").inner_text() == "unregistered"
             await page.goto(d.at("/audit"))
             assert "Nothing changed yet" in await page.inner_text("#audit")
             for response in w.documents:

@@ -66,6 +66,16 @@ async def plant(conn: asyncpg.Connection) -> list[int]:
         HOSTILE[1],
         HOSTILE,
     )
+    # consumers name themselves and their host in the registry
+    for i, text in enumerate(HOSTILE):
+        await conn.execute(
+            "INSERT INTO outbox_events_consumers (worker_id, host, pid, concurrency, prefetch,"
+            " topics, lease_timeout, version, expires_at)"
+            " VALUES ($1, $2, 1, 3, 0, $3::text[], 30, $2, now() + interval '1 hour')",
+            f"{text} #{i}",
+            text,
+            HOSTILE,
+        )
     return ids
 
 
@@ -106,6 +116,10 @@ async def test_hostile_text_renders_as_text_everywhere(dsn: str, tmp_path: Path)
             assert HOSTILE[0] in await w.page.inner_text("#payload")
             assert HOSTILE[0] in await w.page.inner_text("#last-error")
             assert HOSTILE[0] in await w.page.inner_text("#headers")
+            await w.page.goto(base.rstrip("/") + "/consumers")
+            workers = await w.page.inner_text("table.workers")
+            for i, text in enumerate(HOSTILE):
+                assert f"{text} #{i}" in workers and f"{text}:1" in workers, workers
             await w.page.goto(base.rstrip("/") + "/events?" + urlencode({"topic": HOSTILE[1]}))
             assert await w.page.input_value('input[name="topic"]') == HOSTILE[1]
             assert await w.page.inner_text("#matching") == "3"  # dead, waiting, processing
