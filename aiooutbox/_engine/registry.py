@@ -1,4 +1,4 @@
-"""`Registry`: this consumer's row in the consumer registry (migration 0015).
+"""`Registry`: this consumer's row in the consumer registry (migration 0014).
 
 Written once at start, touched by the lease heartbeat (one small statement per beat,
 a third of ``lease_timeout`` apart: nothing per event or per claim), deleted on a clean

@@ -1,4 +1,4 @@
-"""The statements of the consumer registry (migration 0015), named, for one outbox.
+"""The statements of the consumer registry (migration 0014), named, for one outbox.
 
 Each consumer writes its row at start, its heartbeat touches it, a clean stop deletes
 it; rows of consumers that stopped beating expire and are purged later. Same rules as

@@ -1,6 +1,6 @@
 """Who consumes: each consumer as the database knows it.
 
-Three sources, merged by worker id: the consumer registry (migration 0015: host, pid,
+Three sources, merged by worker id: the consumer registry (migration 0014: host, pid,
 concurrency, prefetch, topics, started, last heartbeat; written at start, touched by
 each heartbeat, deleted on a clean stop), the leases held (rows `processing` under the
 worker id) and the idle adverts (consumers waiting on LISTEN). A consumer of an older

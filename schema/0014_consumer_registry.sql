@@ -1,4 +1,4 @@
--- aiooutbox 0015: the consumer registry, what the dashboard's consumers page reads.
+-- aiooutbox 0014: the consumer registry, what the dashboard's consumers page reads.
 -- compatible-with: 2
 --
 -- One row per running consumer: who it is (worker id, host, pid), how it was started
