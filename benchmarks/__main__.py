@@ -32,6 +32,9 @@ SCENARIOS = (
     "isolation",
     "flow",
     "relay",
+    "references",  # the bare loop, PgQueuer, awa-pg and procrastinate side by side
+    "tax",  # the producer's tax beside three baseline consumers, the trigger taken apart
+    "retention",  # only with --only: 10M done rows by default (--retention-rows)
     "dashboard",  # only with --only: it builds a 10M-row database (minutes)
 )
 DEFAULT_OUT = Path("benchmarks/results")
@@ -109,8 +112,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="aiooutbox's settings when not tuning, instead of the defaults, e.g. "
         '\'{"concurrency": 500, "pool_size": 6, "prefetch": 1500}\'',
     )
+    parser.add_argument(
+        "--retention-rows",
+        type=int,
+        metavar="N",
+        help="done rows beside the retention scenario's drains (default 10000000)",
+    )
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
+    if args.retention_rows is not None and args.retention_rows < 1:
+        parser.error("--retention-rows must be at least 1")
     if args.backlog is not None and args.backlog < 1:
         parser.error("--backlog must be at least 1")
     if args.aiooutbox_settings is not None:
@@ -130,6 +141,8 @@ def config_from(args: argparse.Namespace) -> Config:
         config.tune = False
     if args.backlog is not None:
         config.blocked_backlog = config.isolation_backlog = config.flow_backlog = args.backlog
+    if args.retention_rows is not None:
+        config.retention_rows = args.retention_rows
     config.steady_max = args.steady_max
     if args.steady_fractions is not None:
         config.steady_fractions = args.steady_fractions

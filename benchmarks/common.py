@@ -205,6 +205,8 @@ class BackendCpu:
         self._first: dict[int, float] = {}
         self._last: dict[int, float] = {}
         self._task: asyncio.Task[None] | None = None
+        self._conn: asyncpg.Connection | None = None
+        self._lock = asyncio.Lock()
         self.available = True
 
     @staticmethod
@@ -217,8 +219,8 @@ class BackendCpu:
             return None
         return float(times.user + times.system)
 
-    async def _poll(self, conn: asyncpg.Connection) -> None:
-        while True:
+    async def _sample(self, conn: asyncpg.Connection) -> None:
+        async with self._lock:
             pids = await conn.fetch(
                 "SELECT pid FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
                 self.database,
@@ -229,10 +231,28 @@ class BackendCpu:
                     continue
                 self._first.setdefault(pid, cpu)
                 self._last[pid] = cpu
+
+    async def _poll(self, conn: asyncpg.Connection) -> None:
+        while True:
+            await self._sample(conn)
             await asyncio.sleep(self.interval)
 
-    async def __aenter__(self) -> BackendCpu:
+    async def sample_now(self) -> None:
+        """One more sample now, then no more: the end of the measured stretch (while the
+        measured backends are still connected, so that none of their CPU is missed)."""
+        assert self._task is not None and self._conn is not None
+        async with self._lock:  # not in the middle of a poll's query
+            self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._task
         conn = await asyncpg.connect(self.admin_dsn)
+        try:
+            await self._sample(conn)
+        finally:
+            await conn.close()
+
+    async def __aenter__(self) -> BackendCpu:
+        conn = self._conn = await asyncpg.connect(self.admin_dsn)
         host = urlsplit(self.admin_dsn).hostname or "localhost"
         self.available = host in ("localhost", "127.0.0.1", "::1") or host.startswith("/")
 

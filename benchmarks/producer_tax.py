@@ -1,0 +1,224 @@
+"""The producer's tax: one-event transactions/s with the wake-up trigger enabled against
+disabled, beside three different baseline consumers, and the trigger taken apart.
+
+Baselines (aiooutbox at the benchmark's settings unless said):
+
+- ``none``: no consumer at all; the producers have the machine to themselves;
+- ``poll``: a poll-only consumer (``listen=False, poll_interval=1.0``): it never
+  advertises itself idle, so the trigger never notifies; it drains once a second;
+- ``listen``: a listening consumer with a 0.1 s fallback poll, what the producers
+  scenario runs: it drains as the events arrive.
+
+The dissection runs server-side, in one backend: a PL/pgSQL loop of ``n`` single-row
+INSERTs of the producers' statement, µs per INSERT, with the wake-up trigger off, on (no
+idle consumer: its first EXISTS returns), on with an idle consumer of the topic
+advertised (``pg_notify`` per statement, rolled back so nothing is delivered), and
+stand-ins that isolate its parts: an empty PL/pgSQL statement trigger with the transition
+table (``REFERENCING NEW TABLE``), the same ``SECURITY DEFINER``, the same without the
+transition table. Each call runs in a transaction that is rolled back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import aiooutbox_runner
+from .common import BackendCpu, child_process, free_connections, median, ratio
+
+BASELINES: dict[str, dict[str, Any] | None] = {
+    "none": None,
+    "poll": {"listen": False, "poll_interval": 1.0},
+    "listen": {"poll_interval": 0.1},
+}
+PROBES = ["off", "on", "on_idle_advertised", "empty", "empty_definer", "empty_definer_no_table"]
+
+
+async def run(bench: Any) -> None:
+    config = bench.config
+    system = aiooutbox_runner.System(bench.admin_dsn, f"{bench.prefix}tax")
+    bench.extra_systems.append(system)
+    await system.setup()
+    out: dict[str, Any] = {"levels": config.tax_levels, "baselines": {}}
+    bench.log(f"producer tax: {config.tax_levels} producers, baselines {list(BASELINES)}")
+    for name, extra in BASELINES.items():
+        out["baselines"][name] = await baseline(bench, system, name, extra)
+    out["probes"] = await dissect(bench, system)
+    bench.results["tax"] = out
+
+
+async def baseline(
+    bench: Any, system: Any, name: str, extra: dict[str, Any] | None
+) -> dict[str, Any]:
+    config = bench.config
+    await system.reset()
+    levels: dict[str, Any] = {}
+
+    async def measure() -> None:
+        for level in config.tax_levels:
+            if await free_connections(bench.admin_dsn) < level + 4:
+                levels[str(level)] = {"skipped": "not enough free connections"}
+                continue
+            runs: dict[str, list[float]] = {"on": [], "off": []}
+            cpu_us: dict[str, list[float]] = {"on": [], "off": []}
+            notes: list[float] = []
+            backlog: list[int] = []
+            for r in range(config.tax_rounds):
+                for trigger in ("on", "off") if r % 2 == 0 else ("off", "on"):
+                    await system.set_wakeup_trigger(trigger == "on")
+                    async with BackendCpu(bench.admin_dsn, system.database, 0.05) as cpu:
+                        commits, produced, notified = await bench.commit_rate(system, level)
+                        await cpu.sample_now()
+                    state["total"] += produced
+                    runs[trigger].append(round(commits, 1))
+                    if cpu.seconds is not None and produced:
+                        cpu_us[trigger].append(round(cpu.seconds / produced * 1e6, 1))
+                    backlog.append(await system.backlog())
+                    if trigger == "on":
+                        notes.append(notified)
+            on, off = median(runs["on"]), median(runs["off"])
+            levels[str(level)] = {
+                "on": round(on, 1),
+                "off": round(off, 1),
+                "ratio": round(ratio(on, off), 3),
+                "round_ratios": [
+                    round(ratio(a, b), 3) for a, b in zip(runs["on"], runs["off"], strict=True)
+                ],
+                "db_cpu_us_per_commit": {k: round(median(v), 1) for k, v in cpu_us.items()},
+                "notifications_per_s": round(median(notes), 1),
+                "backlog_after": backlog,
+                "runs": runs,
+            }
+            bench.log(
+                f"  {name:7} x{level:<3} on {on:>7,.0f}/s off {off:>7,.0f}/s ratio"
+                f" {ratio(on, off):.3f}; {median(notes):,.0f} NOTIFY/s; backlog after {backlog}"
+            )
+
+    state = {"total": 0}
+    try:
+        if extra is None:
+            await measure()
+            handled = None
+        else:
+            settings = {**bench.settings["aiooutbox"], **extra}
+            spec = bench._spec(system, "serve", settings)
+            async with child_process(spec) as child:
+                await child.wait_ready()
+                await measure()
+                child.send(stop_after=state["total"], timeout=60)
+                handled = (await child.result(timeout=120))["handled"]
+    finally:
+        await system.set_wakeup_trigger(True)
+    return {"consumer": extra, "levels": levels, "produced": state["total"], "handled": handled}
+
+
+async def dissect(bench: Any, system: Any) -> dict[str, Any]:
+    """µs per single-row INSERT, server-side, per trigger variant (see the module doc)."""
+    config, q = bench.config, system.q
+    wakeup = f'"{q.table}_wakeup"'
+    conn = await system.connect()
+    try:
+        await conn.execute(
+            f"""
+            CREATE OR REPLACE FUNCTION public.bench_insert_loop(n int) RETURNS float8
+            LANGUAGE plpgsql AS $$
+            DECLARE t0 timestamptz := clock_timestamp();
+            BEGIN
+                FOR i IN 1..n LOOP
+                    INSERT INTO {q.qualified} (topic, payload) VALUES ('bench', '{{}}');
+                END LOOP;
+                RETURN extract(epoch FROM clock_timestamp() - t0) * 1e6 / n;
+            END $$;
+            CREATE OR REPLACE FUNCTION public.bench_noop() RETURNS trigger
+            LANGUAGE plpgsql AS $$ BEGIN RETURN NULL; END $$;
+            CREATE OR REPLACE FUNCTION public.bench_noop_definer() RETURNS trigger
+            LANGUAGE plpgsql SECURITY DEFINER AS $$ BEGIN RETURN NULL; END $$;
+            """
+        )
+
+        async def probe(variant: str) -> float:
+            async with conn.transaction():
+                if variant != "on" and variant != "on_idle_advertised":
+                    await conn.execute(f"ALTER TABLE {q.qualified} DISABLE TRIGGER {wakeup}")
+                if variant == "on_idle_advertised":
+                    await conn.execute(
+                        f"INSERT INTO {q.idle_table} (worker_id, topics, expires_at)"
+                        " VALUES ('bench-probe', '{bench}', now() + interval '1 hour')"
+                    )
+                if variant.startswith("empty"):
+                    function = "bench_noop" if variant == "empty" else "bench_noop_definer"
+                    table = "" if variant.endswith("no_table") else "REFERENCING NEW TABLE AS n"
+                    await conn.execute(
+                        f"CREATE TRIGGER bench_probe AFTER INSERT ON {q.qualified} {table}"
+                        f" FOR EACH STATEMENT EXECUTE FUNCTION public.{function}()"
+                    )
+                value: float = await conn.fetchval(
+                    "SELECT public.bench_insert_loop($1)", config.tax_probe_inserts
+                )
+                raise _Rollback(value)
+
+        samples: dict[str, list[float]] = {v: [] for v in PROBES}
+        for r in range(config.tax_probe_rounds):
+            order = PROBES[r % len(PROBES) :] + PROBES[: r % len(PROBES)]
+            for variant in order if r % 2 == 0 else order[::-1]:
+                try:
+                    await probe(variant)
+                except _Rollback as done:
+                    samples[variant].append(round(done.value, 2))
+    finally:
+        await conn.close()
+    us = {v: round(median(s), 2) for v, s in samples.items()}
+    result = {
+        "inserts_per_probe": config.tax_probe_inserts,
+        "us_per_insert": us,
+        "tax_us": {v: round(us[v] - us["off"], 2) for v in PROBES if v != "off"},
+        "samples": samples,
+    }
+    bench.log("  server-side us per INSERT: " + ", ".join(f"{v} {x:.2f}" for v, x in us.items()))
+    return result
+
+
+class _Rollback(Exception):
+    def __init__(self, value: float) -> None:
+        super().__init__("rollback")
+        self.value = value
+
+
+def render(section: dict[str, Any]) -> list[str]:
+    out = [
+        "## Producer tax",
+        "",
+        "One-event transactions/s with the wake-up trigger on / off, rounds alternated;"
+        " *db CPU* is that of every backend of the database (producers' and consumer's)"
+        " per commit.",
+        "",
+        "| baseline consumer | producers | on / off | ratio | per-round ratios |"
+        " db CPU µs/commit on / off | NOTIFY/s |",
+        "|---|---:|---|---:|---|---|---:|",
+    ]
+    for name, base in section["baselines"].items():
+        for level, row in base["levels"].items():
+            if "skipped" in row:
+                out.append(f"| {name} | {level} | skipped | | | | |")
+                continue
+            cpu = row["db_cpu_us_per_commit"]
+            out.append(
+                f"| {name} | {level} | {row['on']:,.0f} / {row['off']:,.0f} |"
+                f" **{row['ratio']:.3f}** | {row['round_ratios']} |"
+                f" {cpu.get('on', float('nan')):.0f} / {cpu.get('off', float('nan')):.0f} |"
+                f" {row['notifications_per_s']:,.0f} |"
+            )
+    probes = section.get("probes", {})
+    if probes:
+        out += [
+            "",
+            f"Server-side, {probes['inserts_per_probe']:,} single-row INSERTs in one"
+            " PL/pgSQL loop per probe, medians:",
+            "",
+            "| trigger | µs per INSERT | over `off` |",
+            "|---|---:|---:|",
+        ]
+        for variant, value in probes["us_per_insert"].items():
+            over = probes["tax_us"].get(variant)
+            out.append(f"| {variant} | {value:.2f} | {'' if over is None else f'{over:+.2f}'} |")
+    out.append("")
+    return out
