@@ -8,8 +8,8 @@ spec: ``system`` (aiooutbox | pgqueuer | bare | awa | procrastinate; see RUNNERS
 ``hold`` (drain: after the last handler print ``{"type": "reached"}`` and wait for a
 line on stdin before stopping), ``raw`` (also report every (sent, handler start)
 pair), ``times`` (record the first and last handler start even without latencies).
-The stop command may carry ``committing``: [[send time, COMMIT-sent time], ...] per producer transaction, for
-latencies from the COMMIT.
+The stop command may carry ``committing``: [[send time, COMMIT-sent time], ...] per
+producer transaction, for latencies from the COMMIT.
 
 Protocol on stdout, one JSON object per line: ``{"type": "ready"}`` once the consumer
 runs, then ``{"type": "result", ...}``. In serve mode the parent writes
