@@ -15,7 +15,10 @@ idle consumer: its first EXISTS returns), on with an idle consumer of the topic
 advertised (``pg_notify`` per statement, rolled back so nothing is delivered), and
 stand-ins that isolate its parts: an empty PL/pgSQL statement trigger with the transition
 table (``REFERENCING NEW TABLE``), the same ``SECURITY DEFINER``, the same without the
-transition table. Each call runs in a transaction that is rolled back.
+transition table. Each call runs in a transaction that is rolled back. Then the same
+variants under the producers' real load (no consumer): commits/s and the database's
+backend CPU per commit, where per-transaction and cold-cache costs show that a tight
+loop in one backend hides.
 """
 
 from __future__ import annotations
@@ -114,7 +117,6 @@ async def baseline(
 async def dissect(bench: Any, system: Any) -> dict[str, Any]:
     """µs per single-row INSERT, server-side, per trigger variant (see the module doc)."""
     config, q = bench.config, system.q
-    wakeup = f'"{q.table}_wakeup"'
     conn = await system.connect()
     try:
         await conn.execute(
@@ -135,22 +137,9 @@ async def dissect(bench: Any, system: Any) -> dict[str, Any]:
             """
         )
 
-        async def probe(variant: str) -> float:
+        async def loop_probe(variant: str) -> float:
             async with conn.transaction():
-                if variant != "on" and variant != "on_idle_advertised":
-                    await conn.execute(f"ALTER TABLE {q.qualified} DISABLE TRIGGER {wakeup}")
-                if variant == "on_idle_advertised":
-                    await conn.execute(
-                        f"INSERT INTO {q.idle_table} (worker_id, topics, expires_at)"
-                        " VALUES ('bench-probe', '{bench}', now() + interval '1 hour')"
-                    )
-                if variant.startswith("empty"):
-                    function = "bench_noop" if variant == "empty" else "bench_noop_definer"
-                    table = "" if variant.endswith("no_table") else "REFERENCING NEW TABLE AS n"
-                    await conn.execute(
-                        f"CREATE TRIGGER bench_probe AFTER INSERT ON {q.qualified} {table}"
-                        f" FOR EACH STATEMENT EXECUTE FUNCTION public.{function}()"
-                    )
+                await set_probe(conn, q, variant)
                 value: float = await conn.fetchval(
                     "SELECT public.bench_insert_loop($1)", config.tax_probe_inserts
                 )
@@ -158,23 +147,84 @@ async def dissect(bench: Any, system: Any) -> dict[str, Any]:
 
         samples: dict[str, list[float]] = {v: [] for v in PROBES}
         for r in range(config.tax_probe_rounds):
-            order = PROBES[r % len(PROBES) :] + PROBES[: r % len(PROBES)]
-            for variant in order if r % 2 == 0 else order[::-1]:
+            for variant in _order(r):
                 try:
-                    await probe(variant)
+                    await loop_probe(variant)
                 except _Rollback as done:
                     samples[variant].append(round(done.value, 2))
+        # the same variants under the producers' real load: `level` connections looping
+        # one-event transactions, no consumer, the database's backends' CPU per commit
+        level = config.tax_levels[0]
+        loaded: dict[str, dict[str, list[float]]] = {v: {"rate": [], "cpu": []} for v in PROBES}
+        notes: dict[str, list[float]] = {v: [] for v in PROBES}
+        for r in range(config.tax_probe_load_rounds):
+            for variant in _order(r):
+                await set_probe(conn, q, variant)
+                try:
+                    async with BackendCpu(bench.admin_dsn, system.database, 0.05) as cpu:
+                        commits, produced, notified = await bench.commit_rate(system, level)
+                        await cpu.sample_now()
+                finally:
+                    await clear_probe(conn, q)
+                loaded[variant]["rate"].append(round(commits, 1))
+                if cpu.seconds is not None and produced:
+                    loaded[variant]["cpu"].append(round(cpu.seconds / produced * 1e6, 1))
+                notes[variant].append(notified)
     finally:
         await conn.close()
     us = {v: round(median(s), 2) for v, s in samples.items()}
+    rate = {v: round(median(x["rate"]), 1) for v, x in loaded.items()}
+    cpu_us = {v: round(median(x["cpu"]), 1) for v, x in loaded.items()}
     result = {
         "inserts_per_probe": config.tax_probe_inserts,
         "us_per_insert": us,
         "tax_us": {v: round(us[v] - us["off"], 2) for v in PROBES if v != "off"},
         "samples": samples,
+        "load_level": level,
+        "load_rounds": config.tax_probe_load_rounds,
+        "commits_per_s": rate,
+        "ratio_to_off": {v: round(ratio(rate[v], rate["off"]), 3) for v in PROBES},
+        "db_cpu_us_per_commit": cpu_us,
+        "notifications_per_s": {v: round(median(n), 1) for v, n in notes.items()},
+        "load_runs": loaded,
     }
     bench.log("  server-side us per INSERT: " + ", ".join(f"{v} {x:.2f}" for v, x in us.items()))
+    bench.log(
+        f"  x{level} no consumer, commits/s (ratio to off; db us/commit): "
+        + ", ".join(
+            f"{v} {rate[v]:,.0f} ({result['ratio_to_off'][v]:.3f}; {cpu_us[v]:.0f})" for v in PROBES
+        )
+    )
     return result
+
+
+def _order(r: int) -> list[str]:
+    order = PROBES[r % len(PROBES) :] + PROBES[: r % len(PROBES)]
+    return order if r % 2 == 0 else order[::-1]
+
+
+async def set_probe(conn: Any, q: Any, variant: str) -> None:
+    """Make the table's insert triggers those of ``variant`` (see the module doc)."""
+    if variant not in ("on", "on_idle_advertised"):
+        await conn.execute(f'ALTER TABLE {q.qualified} DISABLE TRIGGER "{q.table}_wakeup"')
+    if variant == "on_idle_advertised":
+        await conn.execute(
+            f"INSERT INTO {q.idle_table} (worker_id, topics, expires_at)"
+            " VALUES ('bench-probe', '{bench}', now() + interval '1 hour')"
+        )
+    if variant.startswith("empty"):
+        function = "bench_noop" if variant == "empty" else "bench_noop_definer"
+        table = "" if variant.endswith("no_table") else "REFERENCING NEW TABLE AS n"
+        await conn.execute(
+            f"CREATE TRIGGER bench_probe AFTER INSERT ON {q.qualified} {table}"
+            f" FOR EACH STATEMENT EXECUTE FUNCTION public.{function}()"
+        )
+
+
+async def clear_probe(conn: Any, q: Any) -> None:
+    await conn.execute(f"DROP TRIGGER IF EXISTS bench_probe ON {q.qualified}")
+    await conn.execute(f'ALTER TABLE {q.qualified} ENABLE TRIGGER "{q.table}_wakeup"')
+    await conn.execute(f"DELETE FROM {q.idle_table} WHERE worker_id = 'bench-probe'")
 
 
 class _Rollback(Exception):
@@ -220,5 +270,19 @@ def render(section: dict[str, Any]) -> list[str]:
         for variant, value in probes["us_per_insert"].items():
             over = probes["tax_us"].get(variant)
             out.append(f"| {variant} | {value:.2f} | {'' if over is None else f'{over:+.2f}'} |")
+        out += [
+            "",
+            f"The same triggers under load: {probes['load_level']} producers, no consumer,"
+            f" {probes['load_rounds']} rounds rotated, medians:",
+            "",
+            "| trigger | commits/s | ratio to `off` | db CPU µs/commit | NOTIFY/s |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for variant, rate in probes["commits_per_s"].items():
+            out.append(
+                f"| {variant} | {rate:,.0f} | {probes['ratio_to_off'][variant]:.3f} |"
+                f" {probes['db_cpu_us_per_commit'][variant]:.0f} |"
+                f" {probes['notifications_per_s'][variant]:,.0f} |"
+            )
     out.append("")
     return out

@@ -89,7 +89,10 @@ async def run(bench: Any) -> None:
     config = bench.config
     rows: list[dict[str, Any]] = []
     active: list[tuple[str, str, dict[str, Any]]] = []
+    chosen = config.references_only
     for label, name, settings in REFERENCES:
+        if chosen is not None and name not in chosen:
+            continue
         absent = peers.missing(name)
         row: dict[str, Any] = {"label": label, "system": name, "settings": settings,
                "version": peers.version(name) if name in (peers.AWA, peers.PROCRASTINATE)
@@ -108,7 +111,7 @@ async def run(bench: Any) -> None:
         f" (smaller for the slow peers: {config.references_sizes})"
     )
     started = time.time()
-    for r in range(config.references_rounds):
+    for r in range(config.references_rounds if active else 0):
         shift = r % len(active)
         order = active[shift:] + active[:shift]
         if r % 2:

@@ -146,11 +146,13 @@ class Config:
         default_factory=lambda: {"awa": 20_000, "procrastinate": 3_000}
     )
     references_rounds: int = 5
+    references_only: list[str] | None = None  # systems to run (None: every one)
     # the producer's tax (benchmarks/producer_tax.py)
     tax_levels: list[int] = field(default_factory=lambda: [32])
     tax_rounds: int = 6
     tax_probe_inserts: int = 3_000
     tax_probe_rounds: int = 6
+    tax_probe_load_rounds: int = 4
     # history at scale and retention (benchmarks/retention.py)
     retention_rows: int = 10_000_000
     retention_drain: int = 50_000
@@ -218,6 +220,7 @@ class Config:
             tax_rounds=2,
             tax_probe_inserts=1_000,
             tax_probe_rounds=2,
+            tax_probe_load_rounds=1,
             retention_rows=200_000,
             retention_drain=5_000,
             retention_rounds=1,
