@@ -2,7 +2,9 @@
 
 Creates its own databases on that server (``<prefix>aiooutbox``, ``<prefix>pgqueuer``,
 ``<prefix>aiooutbox_history``; ordering and isolation add ``<prefix>aiooutbox_blocked`` and
-``<prefix>aiooutbox_backlog``, flow control ``<prefix>aiooutbox_flow``), runs the scenarios
+``<prefix>aiooutbox_backlog``, flow control ``<prefix>aiooutbox_flow``, the references
+``<prefix>ref_<system>``, the producer's tax ``<prefix>tax``, retention
+``<prefix>ret_empty`` and ``<prefix>ret_history``), runs the scenarios
 and writes results.json, results.md and PNG plots to ``--out``. The DSN needs the right to
 CREATE DATABASE.
 """

@@ -23,6 +23,7 @@ loop in one backend hides.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from . import aiooutbox_runner
@@ -63,18 +64,22 @@ async def baseline(
                 continue
             runs: dict[str, list[float]] = {"on": [], "off": []}
             cpu_us: dict[str, list[float]] = {"on": [], "off": []}
+            client_us: dict[str, list[float]] = {"on": [], "off": []}
             notes: list[float] = []
             backlog: list[int] = []
             for r in range(config.tax_rounds):
                 for trigger in ("on", "off") if r % 2 == 0 else ("off", "on"):
                     await system.set_wakeup_trigger(trigger == "on")
+                    mine = time.process_time()
                     async with BackendCpu(bench.admin_dsn, system.database, 0.05) as cpu:
                         commits, produced, notified = await bench.commit_rate(system, level)
                         await cpu.sample_now()
+                    mine = time.process_time() - mine
                     state["total"] += produced
                     runs[trigger].append(round(commits, 1))
                     if cpu.seconds is not None and produced:
                         cpu_us[trigger].append(round(cpu.seconds / produced * 1e6, 1))
+                        client_us[trigger].append(round(mine / produced * 1e6, 1))
                     backlog.append(await system.backlog())
                     if trigger == "on":
                         notes.append(notified)
@@ -87,6 +92,17 @@ async def baseline(
                     round(ratio(a, b), 3) for a, b in zip(runs["on"], runs["off"], strict=True)
                 ],
                 "db_cpu_us_per_commit": {k: round(median(v), 1) for k, v in cpu_us.items()},
+                "producer_cpu_us_per_commit": {
+                    k: round(median(v), 1) for k, v in client_us.items()
+                },
+                # what the CPU per commit implies were the machine's CPU the only limit
+                "cpu_implied_ratio": round(
+                    ratio(
+                        median(cpu_us["off"]) + median(client_us["off"]),
+                        median(cpu_us["on"]) + median(client_us["on"]),
+                    ),
+                    3,
+                ),
                 "notifications_per_s": round(median(notes), 1),
                 "backlog_after": backlog,
                 "runs": runs,
@@ -155,26 +171,33 @@ async def dissect(bench: Any, system: Any) -> dict[str, Any]:
         # the same variants under the producers' real load: `level` connections looping
         # one-event transactions, no consumer, the database's backends' CPU per commit
         level = config.tax_levels[0]
-        loaded: dict[str, dict[str, list[float]]] = {v: {"rate": [], "cpu": []} for v in PROBES}
+        loaded: dict[str, dict[str, list[float]]] = {
+            v: {"rate": [], "cpu": [], "client": []} for v in PROBES
+        }
         notes: dict[str, list[float]] = {v: [] for v in PROBES}
         for r in range(config.tax_probe_load_rounds):
             for variant in _order(r):
                 await set_probe(conn, q, variant)
+                mine = time.process_time()
                 try:
                     async with BackendCpu(bench.admin_dsn, system.database, 0.05) as cpu:
                         commits, produced, notified = await bench.commit_rate(system, level)
                         await cpu.sample_now()
                 finally:
                     await clear_probe(conn, q)
+                mine = time.process_time() - mine
                 loaded[variant]["rate"].append(round(commits, 1))
                 if cpu.seconds is not None and produced:
                     loaded[variant]["cpu"].append(round(cpu.seconds / produced * 1e6, 1))
+                    loaded[variant]["client"].append(round(mine / produced * 1e6, 1))
                 notes[variant].append(notified)
     finally:
         await conn.close()
     us = {v: round(median(s), 2) for v, s in samples.items()}
     rate = {v: round(median(x["rate"]), 1) for v, x in loaded.items()}
     cpu_us = {v: round(median(x["cpu"]), 1) for v, x in loaded.items()}
+    client = {v: round(median(x["client"]), 1) for v, x in loaded.items()}
+    total = {v: cpu_us[v] + client[v] for v in PROBES}
     result = {
         "inserts_per_probe": config.tax_probe_inserts,
         "us_per_insert": us,
@@ -185,6 +208,8 @@ async def dissect(bench: Any, system: Any) -> dict[str, Any]:
         "commits_per_s": rate,
         "ratio_to_off": {v: round(ratio(rate[v], rate["off"]), 3) for v in PROBES},
         "db_cpu_us_per_commit": cpu_us,
+        "producer_cpu_us_per_commit": client,
+        "cpu_implied_ratio": {v: round(ratio(total["off"], total[v]), 3) for v in PROBES},
         "notifications_per_s": {v: round(median(n), 1) for v, n in notes.items()},
         "load_runs": loaded,
     }
@@ -242,20 +267,22 @@ def render(section: dict[str, Any]) -> list[str]:
         " per commit.",
         "",
         "| baseline consumer | producers | on / off | ratio | per-round ratios |"
-        " db CPU µs/commit on / off | NOTIFY/s |",
-        "|---|---:|---|---:|---|---|---:|",
+        " db CPU µs/commit on / off | producers' CPU µs/commit on / off | CPU-implied ratio |"
+        " NOTIFY/s |",
+        "|---|---:|---|---:|---|---|---|---:|---:|",
     ]
     for name, base in section["baselines"].items():
         for level, row in base["levels"].items():
             if "skipped" in row:
-                out.append(f"| {name} | {level} | skipped | | | | |")
+                out.append(f"| {name} | {level} | skipped | | | | | | |")
                 continue
-            cpu = row["db_cpu_us_per_commit"]
+            cpu, mine = row["db_cpu_us_per_commit"], row["producer_cpu_us_per_commit"]
             out.append(
                 f"| {name} | {level} | {row['on']:,.0f} / {row['off']:,.0f} |"
                 f" **{row['ratio']:.3f}** | {row['round_ratios']} |"
                 f" {cpu.get('on', float('nan')):.0f} / {cpu.get('off', float('nan')):.0f} |"
-                f" {row['notifications_per_s']:,.0f} |"
+                f" {mine.get('on', float('nan')):.0f} / {mine.get('off', float('nan')):.0f} |"
+                f" {row['cpu_implied_ratio']:.3f} | {row['notifications_per_s']:,.0f} |"
             )
     probes = section.get("probes", {})
     if probes:
@@ -275,13 +302,16 @@ def render(section: dict[str, Any]) -> list[str]:
             f"The same triggers under load: {probes['load_level']} producers, no consumer,"
             f" {probes['load_rounds']} rounds rotated, medians:",
             "",
-            "| trigger | commits/s | ratio to `off` | db CPU µs/commit | NOTIFY/s |",
-            "|---|---:|---:|---:|---:|",
+            "| trigger | commits/s | ratio to `off` | db CPU µs/commit |"
+            " producers' CPU µs/commit | CPU-implied ratio | NOTIFY/s |",
+            "|---|---:|---:|---:|---:|---:|---:|",
         ]
         for variant, rate in probes["commits_per_s"].items():
             out.append(
                 f"| {variant} | {rate:,.0f} | {probes['ratio_to_off'][variant]:.3f} |"
                 f" {probes['db_cpu_us_per_commit'][variant]:.0f} |"
+                f" {probes['producer_cpu_us_per_commit'][variant]:.0f} |"
+                f" {probes['cpu_implied_ratio'][variant]:.3f} |"
                 f" {probes['notifications_per_s'][variant]:,.0f} |"
             )
     out.append("")

@@ -18,7 +18,13 @@ systems; every consumer runs in its own child process.
    every variant; rates and consumer CPU per event;
 9. ordered delivery and topic isolation (benchmarks/ordering_isolation.py);
 10. flow control: fairness beside a paused or limited backlog, and the cost of limits
-    that do not bind (benchmarks/flow.py).
+    that do not bind (benchmarks/flow.py);
+11. references: the bare asyncpg loop, PgQueuer, awa-pg and procrastinate beside
+    aiooutbox, CPU per event of client and server (benchmarks/references.py);
+12. the producer's tax beside three baseline consumers, the trigger taken apart
+    (benchmarks/producer_tax.py);
+13. history at scale with the default retention (benchmarks/retention.py; only with
+    --only retention: 10M rows by default).
 """
 
 from __future__ import annotations
@@ -152,7 +158,7 @@ class Config:
     tax_rounds: int = 6
     tax_probe_inserts: int = 3_000
     tax_probe_rounds: int = 6
-    tax_probe_load_rounds: int = 4
+    tax_probe_load_rounds: int = 6
     # history at scale and retention (benchmarks/retention.py)
     retention_rows: int = 10_000_000
     retention_drain: int = 50_000
@@ -177,6 +183,8 @@ class Config:
             "ordering",
             "isolation",
             "flow",
+            "references",
+            "tax",
         ]
     )
     # the relay scenario (benchmarks/relay.py; needs the machine's NATS and RabbitMQ)

@@ -342,6 +342,12 @@ def test_cli_parses_the_documented_command() -> None:
     chosen = '{"concurrency": 500, "pool_size": 6, "prefetch": 1500}'
     config = config_from(parse(["--dsn", "x", "--no-tune", "--aiooutbox-settings", chosen]))
     assert config.aiooutbox_settings == json.loads(chosen) and not config.tune
+    args = parse(["--dsn", "x", "--only", "references", "tax"])
+    assert args.only == ["references", "tax"]
+    config = config_from(parse(["--dsn", "x", "--only", "retention", "--retention-rows", "5"]))
+    assert config.scenarios == ["retention"] and config.retention_rows == 5
+    with pytest.raises(SystemExit):
+        parse(["--dsn", "x", "--retention-rows", "0"])
     for bad in ("[1]", "{not json"):
         with pytest.raises(SystemExit):
             parse(["--dsn", "x", "--aiooutbox-settings", bad])
