@@ -10,8 +10,8 @@ Baselines (aiooutbox at the benchmark's settings unless said):
   scenario runs: it drains as the events arrive.
 
 The dissection runs server-side, in one backend: a PL/pgSQL loop of ``n`` single-row
-INSERTs of the producers' statement, µs per INSERT, with the wake-up trigger off, on (no
-idle consumer: its first EXISTS returns), on with an idle consumer of the topic
+INSERTs, the backend's CPU µs per INSERT (from /proc/<pid>/schedstat), with the wake-up
+trigger off, on (no idle consumer: its first EXISTS returns), on with an idle consumer of the topic
 advertised (``pg_notify`` per statement, rolled back so nothing is delivered), and
 stand-ins that isolate its parts: an empty PL/pgSQL statement trigger with the transition
 table (``REFERENCING NEW TABLE``), the same ``SECURITY DEFINER``, the same without the
@@ -153,15 +153,22 @@ async def dissect(bench: Any, system: Any) -> dict[str, Any]:
             """
         )
 
+        backend = await conn.fetchval("SELECT pg_backend_pid()")
+
         async def loop_probe(variant: str) -> float:
             async with conn.transaction():
                 await set_probe(conn, q, variant)
-                value: float = await conn.fetchval(
+                before = BackendCpu._cpu(backend) or 0.0
+                wall: float = await conn.fetchval(
                     "SELECT public.bench_insert_loop($1)", config.tax_probe_inserts
                 )
-                raise _Rollback(value)
+                after = BackendCpu._cpu(backend) or 0.0
+                walls[variant].append(round(wall, 2))
+                # the backend's own CPU: a wall clock counts the time it waited for a core
+                raise _Rollback((after - before) / config.tax_probe_inserts * 1e6)
 
         samples: dict[str, list[float]] = {v: [] for v in PROBES}
+        walls: dict[str, list[float]] = {v: [] for v in PROBES}
         for r in range(config.tax_probe_rounds):
             for variant in _order(r):
                 try:
@@ -203,6 +210,7 @@ async def dissect(bench: Any, system: Any) -> dict[str, Any]:
         "us_per_insert": us,
         "tax_us": {v: round(us[v] - us["off"], 2) for v in PROBES if v != "off"},
         "samples": samples,
+        "wall_us_per_insert": {v: round(median(w), 2) for v, w in walls.items()},
         "load_level": level,
         "load_rounds": config.tax_probe_load_rounds,
         "commits_per_s": rate,
@@ -289,14 +297,18 @@ def render(section: dict[str, Any]) -> list[str]:
         out += [
             "",
             f"Server-side, {probes['inserts_per_probe']:,} single-row INSERTs in one"
-            " PL/pgSQL loop per probe, medians:",
+            " PL/pgSQL loop per probe, the backend's CPU (wall clock beside it), medians:",
             "",
-            "| trigger | µs per INSERT | over `off` |",
-            "|---|---:|---:|",
+            "| trigger | CPU µs per INSERT | over `off` | wall µs per INSERT |",
+            "|---|---:|---:|---:|",
         ]
         for variant, value in probes["us_per_insert"].items():
             over = probes["tax_us"].get(variant)
-            out.append(f"| {variant} | {value:.2f} | {'' if over is None else f'{over:+.2f}'} |")
+            wall = probes.get("wall_us_per_insert", {}).get(variant, float("nan"))
+            out.append(
+                f"| {variant} | {value:.2f} | {'' if over is None else f'{over:+.2f}'} |"
+                f" {wall:.2f} |"
+            )
         out += [
             "",
             f"The same triggers under load: {probes['load_level']} producers, no consumer,"
