@@ -34,6 +34,18 @@ BASELINES: dict[str, dict[str, Any] | None] = {
     "poll": {"listen": False, "poll_interval": 1.0},
     "listen": {"poll_interval": 0.1},
 }
+# n single-row INSERTs in one backend; returns the wall µs per INSERT
+LOOP_FUNCTION = """
+CREATE OR REPLACE FUNCTION public.bench_insert_loop(n int) RETURNS float8
+LANGUAGE plpgsql AS $$
+DECLARE t0 timestamptz := clock_timestamp();
+BEGIN
+    FOR i IN 1..n LOOP
+        INSERT INTO {table} (topic, payload) VALUES ('bench', '{{}}');
+    END LOOP;
+    RETURN extract(epoch FROM clock_timestamp() - t0) * 1e6 / n;
+END $$;
+"""
 PROBES = ["off", "on", "on_idle_advertised", "empty", "empty_definer", "empty_definer_no_table"]
 
 
@@ -135,17 +147,9 @@ async def dissect(bench: Any, system: Any) -> dict[str, Any]:
     config, q = bench.config, system.q
     conn = await system.connect()
     try:
+        await conn.execute(LOOP_FUNCTION.format(table=q.qualified))
         await conn.execute(
-            f"""
-            CREATE OR REPLACE FUNCTION public.bench_insert_loop(n int) RETURNS float8
-            LANGUAGE plpgsql AS $$
-            DECLARE t0 timestamptz := clock_timestamp();
-            BEGIN
-                FOR i IN 1..n LOOP
-                    INSERT INTO {q.qualified} (topic, payload) VALUES ('bench', '{{}}');
-                END LOOP;
-                RETURN extract(epoch FROM clock_timestamp() - t0) * 1e6 / n;
-            END $$;
+            """
             CREATE OR REPLACE FUNCTION public.bench_noop() RETURNS trigger
             LANGUAGE plpgsql AS $$ BEGIN RETURN NULL; END $$;
             CREATE OR REPLACE FUNCTION public.bench_noop_definer() RETURNS trigger
