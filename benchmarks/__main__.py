@@ -2,7 +2,9 @@
 
 Creates its own databases on that server (``<prefix>aiooutbox``, ``<prefix>pgqueuer``,
 ``<prefix>aiooutbox_history``; ordering and isolation add ``<prefix>aiooutbox_blocked`` and
-``<prefix>aiooutbox_backlog``, flow control ``<prefix>aiooutbox_flow``), runs the scenarios
+``<prefix>aiooutbox_backlog``, flow control ``<prefix>aiooutbox_flow``, the references
+``<prefix>ref_<system>``, the producer's tax ``<prefix>tax``, retention
+``<prefix>ret_empty`` and ``<prefix>ret_history``), runs the scenarios
 and writes results.json, results.md and PNG plots to ``--out``. The DSN needs the right to
 CREATE DATABASE.
 """
@@ -32,6 +34,9 @@ SCENARIOS = (
     "isolation",
     "flow",
     "relay",
+    "references",  # the bare loop, PgQueuer, awa-pg and procrastinate side by side
+    "tax",  # the producer's tax beside three baseline consumers, the trigger taken apart
+    "retention",  # only with --only: 10M done rows by default (--retention-rows)
     "dashboard",  # only with --only: it builds a 10M-row database (minutes)
     "dashboard-drain",  # only with --only: the drain with a dashboard open, alone
 )
@@ -122,8 +127,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="N",
         help="events per drain with and without a dashboard (default 200000)",
     )
+    parser.add_argument(
+        "--retention-rows",
+        type=int,
+        metavar="N",
+        help="done rows beside the retention scenario's drains (default 10000000)",
+    )
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
+    if args.retention_rows is not None and args.retention_rows < 1:
+        parser.error("--retention-rows must be at least 1")
     if args.backlog is not None and args.backlog < 1:
         parser.error("--backlog must be at least 1")
     if args.aiooutbox_settings is not None:
@@ -143,6 +156,8 @@ def config_from(args: argparse.Namespace) -> Config:
         config.tune = False
     if args.backlog is not None:
         config.blocked_backlog = config.isolation_backlog = config.flow_backlog = args.backlog
+    if args.retention_rows is not None:
+        config.retention_rows = args.retention_rows
     config.steady_max = args.steady_max
     if args.steady_fractions is not None:
         config.steady_fractions = args.steady_fractions

@@ -240,6 +240,8 @@ async def consume(dsn: str, settings: dict[str, Any], recorder: Any, stop: async
             options[key] = settings[key]
     if defaults:
         options = {}
+    if "retention" in settings:  # seconds, or None: no purge
+        options["retention"] = settings["retention"]
 
     if recorder.latency:
 

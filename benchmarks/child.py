@@ -1,13 +1,15 @@
 """A consumer in its own process: ``python -m benchmarks.child '<json spec>'``.
 
-spec: ``system`` (aiooutbox | pgqueuer), ``mode`` (drain | serve), ``dsn``, ``settings``
+spec: ``system`` (aiooutbox | pgqueuer | bare | awa | procrastinate; see RUNNERS),
+``mode`` (drain | serve), ``dsn``, ``settings``
 (passed to the system's ``consume``), ``n`` (drain: stop after this many events),
 ``latency`` (payloads carry the producer's wall-clock send time), ``sample_interval``,
 ``patch`` (a Python file run first, to measure an experimental engine change),
-``raw`` (also report every (sent, handler start) pair), ``times`` (record the first
-and last handler start even without latencies). The stop command may carry
-``committing``: [[send time, COMMIT-sent time], ...] per producer transaction, for
-latencies from the COMMIT.
+``hold`` (drain: after the last handler print ``{"type": "reached"}`` and wait for a
+line on stdin before stopping), ``raw`` (also report every (sent, handler start)
+pair), ``times`` (record the first and last handler start even without latencies).
+The stop command may carry ``committing``: [[send time, COMMIT-sent time], ...] per
+producer transaction, for latencies from the COMMIT.
 
 Protocol on stdout, one JSON object per line: ``{"type": "ready"}`` once the consumer
 runs, then ``{"type": "result", ...}``. In serve mode the parent writes
@@ -28,6 +30,15 @@ from typing import Any
 import psutil
 
 from .common import summarize_ms
+
+# the module whose ``consume`` drives each system (benchmarks/peers.py: the references)
+RUNNERS = {
+    "aiooutbox": (".aiooutbox_runner", "consume"),
+    "pgqueuer": (".pgqueuer_runner", "consume"),
+    "bare": (".peers", "consume_bare"),
+    "awa": (".peers", "consume_awa"),
+    "procrastinate": (".peers", "consume_procrastinate"),
+}
 
 
 class Recorder:
@@ -145,10 +156,10 @@ async def main(spec: dict[str, Any]) -> None:
         # an experimental engine change to measure (see --patch): a Python file that
         # monkeypatches the library before the consumer starts
         runpy.run_path(spec["patch"], run_name="benchmark_patch")
-    if spec["system"] == "aiooutbox":
-        from . import aiooutbox_runner as runner
-    else:
-        from . import pgqueuer_runner as runner  # type: ignore[no-redef]
+    import importlib
+
+    module, function = RUNNERS[spec["system"]]
+    consumer = getattr(importlib.import_module(module, __package__), function)
     mode = spec["mode"]
     recorder = Recorder(spec.get("n") if mode == "drain" else None, bool(spec.get("latency")))
     recorder.raw = bool(spec.get("raw"))
@@ -156,7 +167,7 @@ async def main(spec: dict[str, Any]) -> None:
     stop = asyncio.Event()
     samples: list[list[float]] = []
     sampler = asyncio.ensure_future(_sample(recorder, spec.get("sample_interval", 0.5), samples))
-    consume = asyncio.ensure_future(runner.consume(spec["dsn"], spec["settings"], recorder, stop))
+    consume = asyncio.ensure_future(consumer(spec["dsn"], spec["settings"], recorder, stop))
     ready = asyncio.ensure_future(recorder.ready.wait())
     await asyncio.wait([consume, ready], return_when=asyncio.FIRST_COMPLETED)
     if consume.done():
@@ -165,6 +176,11 @@ async def main(spec: dict[str, Any]) -> None:
     if mode == "drain":
         waiter = asyncio.ensure_future(recorder.reached.wait())
         await asyncio.wait([consume, waiter], return_when=asyncio.FIRST_COMPLETED)
+        if spec.get("hold") and waiter.done():
+            # keep every connection open until the parent has read the server backends'
+            # CPU: their time up to the last handler, none of it lost with the backend
+            _emit({"type": "reached"})
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
         stop.set()
     else:
         control = asyncio.ensure_future(_control(recorder, stop))

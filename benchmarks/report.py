@@ -551,6 +551,15 @@ def markdown(results: dict[str, Any]) -> str:
                 f"| {_fmt(row['end_mb'], 1)} | {_fmt(row['growth_mb'], 1)} |"
             )
     lines += ordering_isolation_markdown(results)
+    from . import producer_tax, references, retention
+
+    for key, module in (
+        ("references", references),
+        ("tax", producer_tax),
+        ("retention", retention),
+    ):
+        if results.get(key):
+            lines += ["", *module.render(results[key])]
     if settings:
         lines += ["", "## Settings", ""]
         for name, value in settings.items():

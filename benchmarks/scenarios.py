@@ -18,7 +18,13 @@ systems; every consumer runs in its own child process.
    every variant; rates and consumer CPU per event;
 9. ordered delivery and topic isolation (benchmarks/ordering_isolation.py);
 10. flow control: fairness beside a paused or limited backlog, and the cost of limits
-    that do not bind (benchmarks/flow.py).
+    that do not bind (benchmarks/flow.py);
+11. references: the bare asyncpg loop, PgQueuer, awa-pg and procrastinate beside
+    aiooutbox, CPU per event of client and server (benchmarks/references.py);
+12. the producer's tax beside three baseline consumers, the trigger taken apart
+    (benchmarks/producer_tax.py);
+13. history at scale with the default retention (benchmarks/retention.py; only with
+    --only retention: 10M rows by default).
 """
 
 from __future__ import annotations
@@ -41,7 +47,16 @@ import asyncpg
 
 from aiooutbox import OutboxError
 
-from . import aiooutbox_runner, dashboard, flow, ordering_isolation, pgqueuer_runner
+from . import (
+    aiooutbox_runner,
+    dashboard,
+    flow,
+    ordering_isolation,
+    pgqueuer_runner,
+    producer_tax,
+    references,
+    retention,
+)
 from .common import BackendCpu, child_process, free_connections, median, ratio, summarize_ms
 
 AIO = aiooutbox_runner.NAME
@@ -131,6 +146,25 @@ class Config:
     flow_backlog: int = 1_000_000
     flow_size: int = 20_000
     flow_rounds: int = 5
+    # references (benchmarks/references.py): the bare loop, PgQueuer, awa-pg, procrastinate
+    references_size: int = 50_000
+    references_sizes: dict[str, int] = field(
+        default_factory=lambda: {"awa": 20_000, "procrastinate": 3_000}
+    )
+    references_rounds: int = 5
+    references_only: list[str] | None = None  # systems to run (None: every one)
+    # the producer's tax (benchmarks/producer_tax.py)
+    tax_levels: list[int] = field(default_factory=lambda: [32])
+    tax_rounds: int = 6
+    tax_probe_inserts: int = 3_000
+    tax_probe_rounds: int = 6
+    tax_probe_load_rounds: int = 6
+    # history at scale and retention (benchmarks/retention.py)
+    retention_rows: int = 10_000_000
+    retention_drain: int = 50_000
+    retention_rounds: int = 3
+    retention_stats_repeat: int = 3
+    retention_purge_batches: int = 50
     light_rates: list[float] = field(default_factory=lambda: [50.0, 5.0])
     light_seconds: float = 20.0
     sample_interval: float = 0.5
@@ -149,6 +183,8 @@ class Config:
             "ordering",
             "isolation",
             "flow",
+            "references",
+            "tax",
         ]
     )
     # the relay scenario (benchmarks/relay.py; needs the machine's NATS and RabbitMQ)
@@ -186,6 +222,17 @@ class Config:
             dashboard_repeat=2,
             dashboard_drain=20_000,
             dashboard_rounds=2,
+            references_size=5_000,
+            references_sizes={"awa": 2_000, "procrastinate": 300},
+            references_rounds=1,
+            tax_rounds=2,
+            tax_probe_inserts=1_000,
+            tax_probe_rounds=2,
+            tax_probe_load_rounds=1,
+            retention_rows=200_000,
+            retention_drain=5_000,
+            retention_rounds=1,
+            retention_purge_batches=10,
             history_rows=100_000,
             history_drain=5_000,
             history_rounds=1,
@@ -375,6 +422,9 @@ class Bench:
                 "ordering": functools.partial(ordering_isolation.ordering, self),
                 "isolation": functools.partial(ordering_isolation.isolation, self),
                 "flow": functools.partial(flow.flow, self),
+                "references": functools.partial(references.run, self),
+                "tax": functools.partial(producer_tax.run, self),
+                "retention": functools.partial(retention.run, self),
             }
             for name in scenarios:
                 await steps[name]()

@@ -1,0 +1,199 @@
+"""History at scale: a drain beside ``retention_rows`` ``done`` rows, with the consumer's
+retention as configured by default, against the same drain on an empty table.
+
+The history rows finished 8 days ago, so the default retention (7 days) finds them all
+due: every consumer purges at its start and then every 60 s, at most 50 batches of 1,000
+rows per round (aiooutbox/_engine/maintenance.py). Drains at the defaults
+(``OutboxConsumer(pool)``): on the empty table; beside the history with retention off
+(``retention=None``: the history's own cost); beside it with the default retention, which
+purges while the drain runs. Rounds alternate; between drains the table is reset as
+autovacuum would leave it (``VACUUM (ANALYZE)``; autovacuum is off on our server).
+
+Also: table and index sizes after the load, after every drain and at the end; the time
+of ``aiooutbox.admin.stats``; and the purge itself on the full history, before the
+drains, timed from this process: batches of the consumer's own ``DELETE`` statement
+(rows/s, and the default schedule's ceiling of 50,000 rows a minute per consumer).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from . import aiooutbox_runner
+from .common import median, ratio
+
+_PURGE_BATCH = 1000
+_PURGE_BATCHES_PER_ROUND = 50
+_PURGE_EVERY = 60.0
+
+
+async def sizes(system: Any) -> dict[str, int]:
+    conn = await system.connect()
+    try:
+        row = await conn.fetchrow(
+            "SELECT pg_relation_size($1::regclass) AS heap,"
+            " pg_indexes_size($1::regclass) AS indexes,"
+            " pg_total_relation_size($1::regclass) AS total,"
+            " (SELECT count(*) FROM " + system.q.qualified + ") AS live_rows",
+            system.q.qualified,
+        )
+    finally:
+        await conn.close()
+    return dict(row)
+
+
+async def stats_ms(system: Any, repeat: int) -> float:
+    from aiooutbox.admin import stats
+
+    conn = await system.connect()
+    try:
+        times = []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            await stats(conn)
+            times.append((time.perf_counter() - t) * 1000)
+    finally:
+        await conn.close()
+    return round(median(times), 1)
+
+
+async def purge_speed(system: Any, batches: int) -> dict[str, Any]:
+    """``batches`` of the consumer's purge statement, back to back, as one round runs."""
+    conn = await system.connect()
+    try:
+        deleted, times = 0, []
+        for _ in range(batches):
+            t = time.perf_counter()
+            status = await conn.execute(system.q.purge_done, 7 * 86400.0, _PURGE_BATCH)
+            times.append(time.perf_counter() - t)
+            deleted += int(status.rsplit(" ", 1)[-1])
+    finally:
+        await conn.close()
+    total = sum(times)
+    return {
+        "batches": batches,
+        "rows": deleted,
+        "seconds": round(total, 3),
+        "rows_per_s": round(deleted / total, 1) if total else None,
+        "batch_ms_median": round(median(times) * 1000, 2),
+        "batch_ms_max": round(max(times) * 1000, 2),
+        "default_ceiling_rows_per_s": round(
+            _PURGE_BATCH * _PURGE_BATCHES_PER_ROUND / _PURGE_EVERY, 1
+        ),
+    }
+
+
+async def run(bench: Any) -> None:
+    config = bench.config
+    rows, n = config.retention_rows, config.retention_drain
+    empty = aiooutbox_runner.System(bench.admin_dsn, f"{bench.prefix}ret_empty")
+    hist = aiooutbox_runner.System(bench.admin_dsn, f"{bench.prefix}ret_history")
+    bench.extra_systems.extend([empty, hist])
+    await empty.setup()
+    await hist.setup()
+    bench.log(f"retention: {rows:,} done rows 8 days old vs an empty table, drains of {n:,}")
+    t = time.perf_counter()
+    await hist.insert_series(
+        rows,
+        "topic, payload, status, attempts, locked_by, finished_at",
+        "'bench', jsonb_build_object('i', g), 'done', 1, 'history',"
+        " now() - interval '8 days' + g * interval '1 millisecond'",
+    )
+    await hist.keep_loaded()
+    load_s = round(time.perf_counter() - t, 1)
+    bench.log(f"  loaded in {load_s}s")
+    out: dict[str, Any] = {"rows": rows, "drain_size": n, "load_s": load_s, "sizes": {}}
+    out["sizes"]["after_load"] = await sizes(hist)
+    out["stats_ms"] = {
+        "history": await stats_ms(hist, config.retention_stats_repeat),
+        "empty": await stats_ms(empty, config.retention_stats_repeat),
+    }
+    bench.log(f"  stats: {out['stats_ms']} ms")
+    # the purge at full scale, before the drains: the consumer's DELETE, batch after batch
+    out["purge"] = await purge_speed(hist, config.retention_purge_batches)
+    bench.log(f"  purge: {out['purge']}")
+    variants = [
+        ("empty", empty, {"defaults": True}),
+        ("history_no_retention", hist, {"defaults": True, "retention": None}),
+        ("history_retention_default", hist, {"defaults": True}),
+    ]
+    runs: list[dict[str, Any]] = []
+    for r in range(config.retention_rounds):
+        order = variants if r % 2 == 0 else variants[::-1]
+        for label, system, settings in order:
+            t = time.perf_counter()
+            await system.reset()  # VACUUM (ANALYZE), as autovacuum would have
+            reset_s = round(time.perf_counter() - t, 2)
+            run = await bench.drain_once(system, n, settings, label=f"{label:26} ")
+            run = {k: v for k, v in run.items() if k != "rss"}
+            run.update(variant=label, round=r, reset_s=reset_s)
+            run["drain_rate"] = round(n / run["to_last_s"], 1) if run["to_last_s"] else 0.0
+            if system is hist:
+                run["sizes_after"] = await sizes(hist)
+            runs.append(run)
+    rates = {
+        label: round(median([x["drain_rate"] for x in runs if x["variant"] == label]), 1)
+        for label, _, _ in variants
+    }
+    out["runs"] = runs
+    out["rates"] = rates
+    out["ratios"] = {
+        "history_no_retention_vs_empty": round(
+            ratio(rates["history_no_retention"], rates["empty"]), 3
+        ),
+        "history_retention_default_vs_empty": round(
+            ratio(rates["history_retention_default"], rates["empty"]), 3
+        ),
+    }
+    bench.log(f"  drain/s {rates}; {out['ratios']}")
+    await hist.reset()
+    out["sizes"]["end"] = await sizes(hist)
+    bench.results["retention"] = out
+
+
+def _mb(value: int) -> str:
+    return f"{value / 2**20:,.0f}"
+
+
+def render(section: dict[str, Any]) -> list[str]:
+    rates, ratios, purge = section["rates"], section["ratios"], section["purge"]
+    out = [
+        "## History at scale and retention",
+        "",
+        f"{section['rows']:,} `done` rows (loaded in {section['load_s']} s), drains of"
+        f" {section['drain_size']:,} at the defaults, medians:",
+        "",
+        "| table | drain/s | vs empty |",
+        "|---|---:|---:|",
+        f"| empty | {rates['empty']:,.0f} | |",
+        f"| history, retention off | {rates['history_no_retention']:,.0f} |"
+        f" {ratios['history_no_retention_vs_empty']:.3f} |",
+        f"| history, default retention purging during the drain |"
+        f" {rates['history_retention_default']:,.0f} |"
+        f" {ratios['history_retention_default_vs_empty']:.3f} |",
+        "",
+        f"`stats`: {section['stats_ms']['history']} ms beside the history,"
+        f" {section['stats_ms']['empty']} ms on the empty table.",
+        f"Purge: {purge['rows']:,} rows in {purge['batches']} batches, {purge['seconds']} s"
+        f" = {purge['rows_per_s']:,.0f} rows/s (batch median {purge['batch_ms_median']} ms,"
+        f" max {purge['batch_ms_max']} ms); the default schedule's ceiling"
+        f" {purge['default_ceiling_rows_per_s']:,.0f} rows/s per consumer.",
+        "",
+        "| when | heap MB | indexes MB | total MB | rows |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    points = [("after load", section["sizes"]["after_load"])]
+    points += [
+        (f"after r{x['round'] + 1} {x['variant']}", x["sizes_after"])
+        for x in section["runs"]
+        if "sizes_after" in x
+    ]
+    points.append(("end (VACUUM)", section["sizes"]["end"]))
+    for label, s in points:
+        out.append(
+            f"| {label} | {_mb(s['heap'])} | {_mb(s['indexes'])} | {_mb(s['total'])} |"
+            f" {s['live_rows']:,} |"
+        )
+    out.append("")
+    return out
