@@ -32,7 +32,7 @@ from .rows import ClaimedRow, ConsumerStats
 from .settler import Settler
 from .signals import Signals
 
-__all__ = ["Dispatcher", "Signals"]
+__all__ = ["Dispatcher", "Run", "Signals"]
 
 logger = logging.getLogger("aiooutbox.consumer")
 
@@ -56,21 +56,29 @@ _MAX_RUN = 1024
 _RUN_ROWS_PER_HEAD = 2
 
 
-def runs_of(rows: list[ClaimedRow]) -> list[list[ClaimedRow]]:
-    """Claimed rows as units of work: an unordered row alone, an ordered key's head
-    followed by the waiting events claimed behind it, in id order."""
-    runs: list[list[ClaimedRow]] = []
-    keyed: dict[str, list[ClaimedRow]] = {}
+# a unit of work: an unordered row alone, or an ordered key's run (its head first)
+Run = ClaimedRow | list[ClaimedRow]
+
+
+def runs_of(rows: list[ClaimedRow]) -> list[Run]:
+    """Claimed rows as units of work: an unordered row as itself (no list per event: a
+    drain hands out tens of thousands a second), an ordered key's head followed by the
+    waiting events claimed behind it, in id order, as a list."""
+    runs: list[Run] = []
+    keyed: dict[str, list[ClaimedRow]] | None = None
     for row in rows:
         if (key := row.ordering_key) is None:
-            runs.append([row])
+            runs.append(row)
+        elif keyed is None:
+            keyed = {key: [row]}
         elif key in keyed:
             keyed[key].append(row)
         else:
             keyed[key] = [row]
-    for members in keyed.values():
-        members.sort(key=lambda r: (not r.is_head, r.id))
-        runs.append(members)
+    if keyed is not None:
+        for members in keyed.values():
+            members.sort(key=lambda r: (not r.is_head, r.id))
+            runs.append(members)
     return runs
 
 
@@ -116,7 +124,7 @@ class Dispatcher:
     def _listening(self) -> bool:
         return self._listener is not None and self._listener.connected
 
-    async def run(self, handoff: Handoff[list[ClaimedRow]]) -> None:
+    async def run(self, handoff: Handoff[Run]) -> None:
         o, s, signals = self._o, self._stats, self._signals
         backoff = 0.05
         linger = 0
@@ -266,7 +274,7 @@ class Dispatcher:
             return
         logger.warning("claim failed (%s); retrying in %.2fs", exception_summary(exc), backoff)
 
-    async def _claim(self, want: int, handoff: Handoff[list[ClaimedRow]]) -> list[ClaimedRow]:
+    async def _claim(self, want: int, handoff: Handoff[Run]) -> list[ClaimedRow]:
         """Claim up to ``want`` rows and hand them to the workers; return them.
 
         Limited topics (flow control) first, each on its share of ``want``, then the
@@ -364,7 +372,7 @@ class Dispatcher:
     def _hand_out(
         self,
         rows: list[ClaimedRow],
-        handoff: Handoff[list[ClaimedRow]],
+        handoff: Handoff[Run],
         started: float,
         *,
         first: bool = False,
@@ -378,11 +386,9 @@ class Dispatcher:
         # after `started`: this end is never later than the database's
         self._leases.hold_all(rows, started + self._o.lease_timeout)
         if first:
-            for run in reversed(runs_of(rows)):
-                handoff.put_first(run)
+            handoff.put_first_all(runs_of(rows))
             return
-        for run in runs_of(rows):
-            handoff.put(run)
+        handoff.put_all(runs_of(rows))
 
     async def _idle_timeout(self, advertised: bool) -> float:
         """Jittered poll interval, shortened to when the next delayed event becomes due,

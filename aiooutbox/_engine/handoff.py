@@ -24,14 +24,15 @@ class Handoff(Generic[T]):
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._closed = False
 
-    def put(self, item: T) -> None:
-        self._items.append(item)
-        self._wake_one()
+    def put_all(self, items: list[T]) -> None:
+        """Queue ``items`` in order (a claim's runs), waking a worker for each."""
+        self._items.extend(items)
+        self._wake(len(items))
 
-    def put_first(self, item: T) -> None:
-        """Queue ``item`` ahead of every item waiting."""
-        self._items.appendleft(item)
-        self._wake_one()
+    def put_first_all(self, items: list[T]) -> None:
+        """Queue ``items``, in order, ahead of every item waiting."""
+        self._items.extendleft(reversed(items))
+        self._wake(len(items))
 
     def close(self) -> None:
         """No more items: waiting workers return ``None`` once the queue is empty."""
@@ -42,14 +43,19 @@ class Handoff(Generic[T]):
                 waiter.set_result(None)
 
     def _wake_one(self) -> None:
-        while self._waiters:
-            waiter = self._waiters.popleft()
+        self._wake(1)
+
+    def _wake(self, count: int) -> None:
+        waiters = self._waiters
+        while count and waiters:
+            waiter = waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
-                return
+                count -= 1
 
     def take_nowait(self) -> T | None:
-        """The next item if one is queued (for releasing what no worker took)."""
+        """The next item if one is queued: a worker's fast path (no coroutine when an
+        item waits), and what no worker took is released with it."""
         return self._items.popleft() if self._items else None
 
     async def get(self) -> T | None:
