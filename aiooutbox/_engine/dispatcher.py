@@ -19,12 +19,18 @@ import anyio
 import asyncpg
 
 from .._engine.flow import Flow
-from .._sql.db import TRANSIENT_ERRORS, bounded, check_permanent, pool_is_closed, pooled
+from .._sql.db import (
+    TRANSIENT_ERRORS,
+    HeldConnection,
+    bounded,
+    check_permanent,
+    pool_is_closed,
+)
 from .._values.text import exception_message, exception_summary
 from ..errors import OutboxError
 from ..observe import Observers
 from .claim_window import Arrivals, ClaimWindow
-from .handoff import Handoff
+from .handoff import Handoff, Run, runs_of
 from .leases import Leases
 from .listener import Listener
 from .options import ConsumerOptions
@@ -32,7 +38,7 @@ from .rows import ClaimedRow, ConsumerStats
 from .settler import Settler
 from .signals import Signals
 
-__all__ = ["Dispatcher", "Run", "Signals"]
+__all__ = ["Dispatcher", "Signals"]
 
 logger = logging.getLogger("aiooutbox.consumer")
 
@@ -54,32 +60,6 @@ _MAX_RUN = 1024
 # delivery and topic isolation": larger budgets made claims so big that work came out
 # in bursts)
 _RUN_ROWS_PER_HEAD = 2
-
-
-# a unit of work: an unordered row alone, or an ordered key's run (its head first)
-Run = ClaimedRow | list[ClaimedRow]
-
-
-def runs_of(rows: list[ClaimedRow]) -> list[Run]:
-    """Claimed rows as units of work: an unordered row as itself (no list per event: a
-    drain hands out tens of thousands a second), an ordered key's head followed by the
-    waiting events claimed behind it, in id order, as a list."""
-    runs: list[Run] = []
-    keyed: dict[str, list[ClaimedRow]] | None = None
-    for row in rows:
-        if (key := row.ordering_key) is None:
-            runs.append(row)
-        elif keyed is None:
-            keyed = {key: [row]}
-        elif key in keyed:
-            keyed[key].append(row)
-        else:
-            keyed[key] = [row]
-    if keyed is not None:
-        for members in keyed.values():
-            members.sort(key=lambda r: (not r.is_head, r.id))
-            runs.append(members)
-    return runs
 
 
 class Dispatcher:
@@ -119,12 +99,21 @@ class Dispatcher:
         # restarted under a fixed worker_id may have left rows behind)
         self._reconcile = True
         self._warned_down: float | None = None  # the listener outage last warned about
+        # kept from claim to claim while they follow each other, given back before idling
+        self._conn = HeldConnection(pool, options.statement_timeout)
 
     @property
     def _listening(self) -> bool:
         return self._listener is not None and self._listener.connected
 
     async def run(self, handoff: Handoff[Run]) -> None:
+        try:
+            await self._run(handoff)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._conn.release()
+
+    async def _run(self, handoff: Handoff[Run]) -> None:
         o, s, signals = self._o, self._stats, self._signals
         backoff = 0.05
         linger = 0
@@ -199,6 +188,7 @@ class Dispatcher:
                 await _wait_for(signals.wake.wait(), _LINGER[linger])
                 linger += 1
                 continue
+            await self._conn.release()  # leaving the fast path: no connection held idle
             listener = self._listener
             if idle and listener is not None and listener.reconnects != advertised_on:
                 # the listener reconnected: after a server crash the unlogged idle table
@@ -295,7 +285,7 @@ class Dispatcher:
         # fast stop during a claim releases its rows instead of stranding them for a
         # lease (the wait is bounded by the acquire and statement timeouts)
         with anyio.CancelScope(shield=True):
-            async with pooled(self._pool, self._o.statement_timeout) as conn:
+            async with self._conn.use() as conn:
                 if limited:
                     share = -(-want // (len(limited) + claim_open))
                     taken = await flow.claim(conn, limited, share)
@@ -306,8 +296,6 @@ class Dispatcher:
                 ended = time.monotonic()
                 if self._observers:  # first: they say here whether they want these events
                     self._observers.claimed(len(taken) + len(rows), ended - started)
-                # before the release: returning a connection to the pool resets it, a
-                # round trip the handlers need not wait for
                 if taken:
                     self._hand_out(taken, handoff, started, first=True)
                 if rows:

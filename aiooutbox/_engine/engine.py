@@ -22,9 +22,9 @@ from .._sql.db import TRANSIENT_ERRORS
 from .._values.text import exception_summary
 from ..handlers import Handler
 from ..observe import Observers
-from .dispatcher import Dispatcher, Run, declare
+from .dispatcher import Dispatcher, declare
 from .executor import Executor
-from .handoff import Handoff
+from .handoff import Handoff, Run
 from .leases import Leases
 from .listener import Listener
 from .maintenance import Maintenance
