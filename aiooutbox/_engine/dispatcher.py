@@ -122,18 +122,23 @@ class Dispatcher:
         advertised_at = -math.inf  # when the idle advertisement was last written
         advertised_flow = self._flow.version  # the flow controls it was written under
         full = False
-        refill = max(1, o.claim_size // 4)
         while not self._is_stopping():
             # claim ahead of the free workers (`prefetch`), as many rows as the recent
             # rate gets through in _AHEAD_FOR: the next claim's round trip then overlaps
             # the handlers instead of idling them, and no row waits long for a worker
             ahead = min(o.ahead, int(self._arrivals.rate(time.monotonic()) * _AHEAD_FOR))
             if ahead:
-                want = min(o.concurrency + ahead - s.in_flight, o.claim_size + ahead)
+                most = min(o.concurrency + ahead, o.claim_size + ahead)
                 if o.batch_size is not None:
-                    want = min(want, o.batch_size)
+                    most = min(most, o.batch_size)
+                want = min(o.concurrency + ahead - s.in_flight, most)
+                # after a full claim, claim again once half of what we may hold is free:
+                # the rows still held cover its round trip (a claim at once would take
+                # only what the handlers freed meanwhile, a few rows each time)
+                refill = max(1, o.claim_size // 4, most // 2)
             else:
                 want = min(o.concurrency - s.in_flight, o.claim_size)
+                refill = max(1, o.claim_size // 4)
             if self._settler.backlog > o.max_unwritten:
                 await _wait_for(self._settler.wait_flushed(), o.poll_interval)
                 continue
