@@ -139,7 +139,8 @@ class Settler:
             with anyio.move_on_after(_HOLD_IDLE):
                 await self._has_work.wait()
             if not self._has_work.is_set() and not self._promote_later:
-                await self._conn.release()  # idle: no connection held
+                async with self._flush_lock:  # not under a flush of `close`
+                    await self._conn.release()  # idle: no connection held
                 await self._has_work.wait()
             self._has_work = anyio.Event()
             if self._pending.size < self._flush_size and not self._hurry:

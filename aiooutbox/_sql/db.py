@@ -110,7 +110,8 @@ class HeldConnection:
     Every release resets the connection, a round trip and four statements on the server
     (``pg_advisory_unlock_all()``, ``CLOSE ALL``, ``UNLISTEN *``, ``RESET ALL``); a drain
     paid it after every claim and every settlement. A connection held here is never in a
-    transaction between statements, a closed one is replaced, and once the application
+    transaction between statements, a closed one is replaced, its user never shares it
+    between tasks (nor releases it while a statement runs), and once the application
     begins closing the pool it is given back before the next statement, so ``pool.close()``
     waits at most for the statement under way.
     """
@@ -124,8 +125,8 @@ class HeldConnection:
     async def use(self) -> AsyncIterator[asyncpg.Connection]:
         """The held connection (acquired if none is); given back if the body raises."""
         conn = self._conn
-        if conn is not None and (conn.is_closed() or pool_is_closed(self._pool)):
-            await self.release()
+        if conn is not None and (_gone(conn) or pool_is_closed(self._pool)):
+            await self.release()  # a no-op for a connection the pool took back
             conn = None
         if conn is None:
             conn = self._conn = await self._pool.acquire(timeout=self._timeout)
@@ -136,10 +137,24 @@ class HeldConnection:
             raise
 
     async def release(self) -> None:
-        """Give the connection back to the pool (a no-op when none is held)."""
+        """Give the connection back to the pool (a no-op when none is held). A reset
+        that fails is not an error here: asyncpg closes that connection (logged at
+        debug), and the next `use` acquires another."""
         conn, self._conn = self._conn, None
         if conn is not None:
-            await _release(self._pool, conn)
+            try:
+                await _release(self._pool, conn)
+            except TRANSIENT_ERRORS:
+                pass
+
+
+def _gone(conn: asyncpg.Connection) -> bool:
+    """Closed, or taken back by the pool (which detaches the connection it gave us
+    when the server closes it)."""
+    try:
+        return bool(conn.is_closed())
+    except asyncpg.InterfaceError:
+        return True
 
 
 @asynccontextmanager
