@@ -403,3 +403,35 @@ def test_version_ab_refuses_bad_sides(tmp_path: Path) -> None:
     ):
         with pytest.raises(SystemExit):
             ab.parse([*argv, "--dsn", "postgresql://x@127.0.0.1/none"])
+
+
+async def test_bare_loop_drains_beside_a_checkout(pg_server: str, tmp_path: Path) -> None:
+    from benchmarks import bare_loop
+
+    checkout = str(Path(__file__).resolve().parent.parent)
+    out = tmp_path / "bare.json"
+    summary = await bare_loop.main(
+        [
+            f"here={checkout}",
+            "--dsn",
+            pg_server,
+            "--events",
+            "300",
+            "--rounds",
+            "1",
+            "--batch",
+            "100",
+            "--settings",
+            '{"concurrency": 50, "pool_size": 2}',
+            "--database",
+            f"bench_bare_{uuid.uuid4().hex[:8]}",
+            "--out",
+            str(out),
+        ]
+    )
+    assert set(summary["medians"]) == {"bare", "here"}
+    for m in summary["medians"].values():
+        assert positive(m["rate"]) and positive(m["client_us"])
+    assert positive(summary["ratios_to_bare"]["here"])
+    written = json.loads(out.read_text())
+    assert [len(written["runs"][side]) for side in ("bare", "here")] == [1, 1]

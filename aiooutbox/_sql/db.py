@@ -4,6 +4,7 @@ tell a closed pool from either."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -142,10 +143,8 @@ class HeldConnection:
         debug), and the next `use` acquires another."""
         conn, self._conn = self._conn, None
         if conn is not None:
-            try:
+            with contextlib.suppress(*TRANSIENT_ERRORS):
                 await _release(self._pool, conn)
-            except TRANSIENT_ERRORS:
-                pass
 
 
 def _gone(conn: asyncpg.Connection) -> bool:
