@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import pickle
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import asyncpg
 import pytest
 
 import aiooutbox
+from aiooutbox._engine.claim_window import ClaimWindow
 from aiooutbox._engine.rows import ClaimedRow
 from aiooutbox._sql.plans import nested_plans
 from aiooutbox._sql.statements import queries
@@ -43,7 +45,11 @@ async def test_claimed_row_from_a_real_claim(conn: asyncpg.Connection) -> None:
         "d-1",
     )
     assert (row.attempts, row.max_attempts, row.ordering_key, row.is_head) == (1, 5, "k-1", True)
-    assert row.created_at.tzinfo is not None and row.available_at.tzinfo is not None
+    assert row.created_at.tzinfo is not None
+    # the claim returns available_at as epoch seconds (only the watermark reads it)
+    stored = await conn.fetchval("SELECT available_at FROM outbox_events WHERE id = $1", row.id)
+    assert isinstance(row.available_at, float)
+    assert abs(row.available_at - stored.timestamp()) < 1e-5
     assert row.message_id == str(records[0]["message_id"])
 
 
@@ -51,10 +57,39 @@ def test_claimed_row_makes_infinite_timestamps_comparable() -> None:
     # asyncpg returns -infinity/infinity as naive datetime.min/max
     now = datetime.now(UTC)
     row = ClaimedRow.from_record(
-        (1, "t", "{}", None, "{}", 1, 5, datetime.min, datetime.max, "m", None, True)
+        (1, "t", "{}", None, "{}", 1, 5, datetime.min, math.inf, "m", None, True)
     )
-    assert row.created_at.tzinfo is not None and row.available_at.tzinfo is not None
-    assert row.created_at < now < row.available_at
+    assert row.created_at.tzinfo is not None
+    assert row.created_at < now
+
+
+async def test_the_watermark_reads_available_at_as_epoch_seconds(
+    conn: asyncpg.Connection,
+) -> None:
+    await conn.execute(
+        "INSERT INTO outbox_events (topic, payload, available_at)"
+        " VALUES ('t', '{}', now() - interval '1 hour'), ('t', '{}', now())"
+    )
+    records = await conn.fetch(Q.claim, "w", 30.0, ["t"], 10, 1 << 30, 0, 0)
+    ats = sorted(ClaimedRow.from_record(r).available_at for r in records)
+    window = ClaimWindow(10)
+    window.claimed(ats, full=True, started=0.0, ended=0.001)
+    assert window.watermark is not None
+    # it trails the oldest row by the lag, as a timestamptz the claim takes back
+    lag = datetime.fromtimestamp(ats[0], UTC) - window.watermark[0]
+    assert timedelta(milliseconds=9) < lag < timedelta(milliseconds=11), lag
+    await conn.fetch(Q.claim_after, "w", 30.0, ["t"], 10, 1 << 30, 0, 0, *window.watermark)
+
+
+def test_the_watermark_skips_rows_at_infinity_and_the_dawn_of_time() -> None:
+    window = ClaimWindow(10)
+    window.claimed([-math.inf, 1e9, math.inf], full=True, started=0.0, ended=0.001)
+    assert window.watermark is not None
+    assert window.watermark[0] < datetime.fromtimestamp(1e9, UTC)
+    # a row in year 1 (what the table keeps of -infinity) leaves the watermark as it was
+    before = window.watermark
+    window.claimed([-62135596800.0], full=True, started=0.0, ended=0.001)
+    assert window.watermark == before
 
 
 def test_build_event_makes_an_ordinary_frozen_event() -> None:

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from datetime import datetime, timedelta
-
-from .rows import is_finite
+from datetime import UTC, datetime
 
 __all__ = ["Arrivals", "ClaimWindow"]
 
@@ -17,7 +15,7 @@ _FULL_CLAIM_EVERY = (0.02, 0.25)
 _FULL_CLAIM_SHARE = 0.05
 # trail the oldest claimed row: producers commit out of their now() order (see
 # docs/benchmarks.md, "watermark lag")
-_WATERMARK_LAG = timedelta(milliseconds=10)
+_WATERMARK_LAG = 0.010  # seconds
 
 
 class ClaimWindow:
@@ -51,8 +49,9 @@ class ClaimWindow:
         self._full_at = -math.inf
 
     def claimed(
-        self, available_ats: list[datetime], *, full: bool, started: float, ended: float
+        self, available_ats: list[float], *, full: bool, started: float, ended: float
     ) -> None:
+        """A claim ended; ``available_ats``: its rows' as epoch seconds (±inf allowed)."""
         if full:
             self._full_at = started
             low, high = _FULL_CLAIM_EVERY
@@ -60,15 +59,15 @@ class ClaimWindow:
         self.size = min(self.limit, self.size * 2)
         if not available_ats:
             return
-        first = min(available_ats)  # all aware (`aware`): comparable
-        if not is_finite(first):  # a row at ±infinity: the oldest finite one, if any
-            finite = [a for a in available_ats if is_finite(a)]
+        first = min(available_ats)
+        if not math.isfinite(first):  # a row at ±infinity: the oldest finite one, if any
+            finite = [a for a in available_ats if math.isfinite(a)]
             if not finite:
                 return
             first = min(finite)
         try:
-            oldest = (first - _WATERMARK_LAG, 0)
-        except OverflowError:  # a row scheduled at the dawn of time
+            oldest = (datetime.fromtimestamp(first - _WATERMARK_LAG, UTC), 0)
+        except (OverflowError, OSError, ValueError):  # a row scheduled at the dawn of time
             return
         if full or self.watermark is None or oldest > self.watermark:
             self.watermark = oldest

@@ -19,12 +19,18 @@ import anyio
 import asyncpg
 
 from .._engine.flow import Flow
-from .._sql.db import TRANSIENT_ERRORS, bounded, check_permanent, pool_is_closed, pooled
+from .._sql.db import (
+    TRANSIENT_ERRORS,
+    HeldConnection,
+    bounded,
+    check_permanent,
+    pool_is_closed,
+)
 from .._values.text import exception_message, exception_summary
 from ..errors import OutboxError
 from ..observe import Observers
 from .claim_window import Arrivals, ClaimWindow
-from .handoff import Handoff
+from .handoff import Handoff, Run, runs_of
 from .leases import Leases
 from .listener import Listener
 from .options import ConsumerOptions
@@ -54,24 +60,6 @@ _MAX_RUN = 1024
 # delivery and topic isolation": larger budgets made claims so big that work came out
 # in bursts)
 _RUN_ROWS_PER_HEAD = 2
-
-
-def runs_of(rows: list[ClaimedRow]) -> list[list[ClaimedRow]]:
-    """Claimed rows as units of work: an unordered row alone, an ordered key's head
-    followed by the waiting events claimed behind it, in id order."""
-    runs: list[list[ClaimedRow]] = []
-    keyed: dict[str, list[ClaimedRow]] = {}
-    for row in rows:
-        if (key := row.ordering_key) is None:
-            runs.append([row])
-        elif key in keyed:
-            keyed[key].append(row)
-        else:
-            keyed[key] = [row]
-    for members in keyed.values():
-        members.sort(key=lambda r: (not r.is_head, r.id))
-        runs.append(members)
-    return runs
 
 
 class Dispatcher:
@@ -111,12 +99,21 @@ class Dispatcher:
         # restarted under a fixed worker_id may have left rows behind)
         self._reconcile = True
         self._warned_down: float | None = None  # the listener outage last warned about
+        # kept from claim to claim while they follow each other, given back before idling
+        self._conn = HeldConnection(pool, options.statement_timeout)
 
     @property
     def _listening(self) -> bool:
         return self._listener is not None and self._listener.connected
 
-    async def run(self, handoff: Handoff[list[ClaimedRow]]) -> None:
+    async def run(self, handoff: Handoff[Run]) -> None:
+        try:
+            await self._run(handoff)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._conn.release()
+
+    async def _run(self, handoff: Handoff[Run]) -> None:
         o, s, signals = self._o, self._stats, self._signals
         backoff = 0.05
         linger = 0
@@ -125,18 +122,23 @@ class Dispatcher:
         advertised_at = -math.inf  # when the idle advertisement was last written
         advertised_flow = self._flow.version  # the flow controls it was written under
         full = False
-        refill = max(1, o.claim_size // 4)
         while not self._is_stopping():
             # claim ahead of the free workers (`prefetch`), as many rows as the recent
             # rate gets through in _AHEAD_FOR: the next claim's round trip then overlaps
             # the handlers instead of idling them, and no row waits long for a worker
             ahead = min(o.ahead, int(self._arrivals.rate(time.monotonic()) * _AHEAD_FOR))
             if ahead:
-                want = min(o.concurrency + ahead - s.in_flight, o.claim_size + ahead)
+                most = min(o.concurrency + ahead, o.claim_size + ahead)
                 if o.batch_size is not None:
-                    want = min(want, o.batch_size)
+                    most = min(most, o.batch_size)
+                want = min(o.concurrency + ahead - s.in_flight, most)
+                # after a full claim, claim again once half of what we may hold is free:
+                # the rows still held cover its round trip (a claim at once would take
+                # only what the handlers freed meanwhile, a few rows each time)
+                refill = max(1, o.claim_size // 4, most // 2)
             else:
                 want = min(o.concurrency - s.in_flight, o.claim_size)
+                refill = max(1, o.claim_size // 4)
             if self._settler.backlog > o.max_unwritten:
                 await _wait_for(self._settler.wait_flushed(), o.poll_interval)
                 continue
@@ -191,6 +193,7 @@ class Dispatcher:
                 await _wait_for(signals.wake.wait(), _LINGER[linger])
                 linger += 1
                 continue
+            await self._conn.release()  # leaving the fast path: no connection held idle
             listener = self._listener
             if idle and listener is not None and listener.reconnects != advertised_on:
                 # the listener reconnected: after a server crash the unlogged idle table
@@ -266,7 +269,7 @@ class Dispatcher:
             return
         logger.warning("claim failed (%s); retrying in %.2fs", exception_summary(exc), backoff)
 
-    async def _claim(self, want: int, handoff: Handoff[list[ClaimedRow]]) -> list[ClaimedRow]:
+    async def _claim(self, want: int, handoff: Handoff[Run]) -> list[ClaimedRow]:
         """Claim up to ``want`` rows and hand them to the workers; return them.
 
         Limited topics (flow control) first, each on its share of ``want``, then the
@@ -287,7 +290,7 @@ class Dispatcher:
         # fast stop during a claim releases its rows instead of stranding them for a
         # lease (the wait is bounded by the acquire and statement timeouts)
         with anyio.CancelScope(shield=True):
-            async with pooled(self._pool, self._o.statement_timeout) as conn:
+            async with self._conn.use() as conn:
                 if limited:
                     share = -(-want // (len(limited) + claim_open))
                     taken = await flow.claim(conn, limited, share)
@@ -298,8 +301,6 @@ class Dispatcher:
                 ended = time.monotonic()
                 if self._observers:  # first: they say here whether they want these events
                     self._observers.claimed(len(taken) + len(rows), ended - started)
-                # before the release: returning a connection to the pool resets it, a
-                # round trip the handlers need not wait for
                 if taken:
                     self._hand_out(taken, handoff, started, first=True)
                 if rows:
@@ -364,7 +365,7 @@ class Dispatcher:
     def _hand_out(
         self,
         rows: list[ClaimedRow],
-        handoff: Handoff[list[ClaimedRow]],
+        handoff: Handoff[Run],
         started: float,
         *,
         first: bool = False,
@@ -378,11 +379,9 @@ class Dispatcher:
         # after `started`: this end is never later than the database's
         self._leases.hold_all(rows, started + self._o.lease_timeout)
         if first:
-            for run in reversed(runs_of(rows)):
-                handoff.put_first(run)
+            handoff.put_first_all(runs_of(rows))
             return
-        for run in runs_of(rows):
-            handoff.put(run)
+        handoff.put_all(runs_of(rows))
 
     async def _idle_timeout(self, advertised: bool) -> float:
         """Jittered poll interval, shortened to when the next delayed event becomes due,

@@ -24,13 +24,13 @@ from ..handlers import Handler
 from ..observe import Observers
 from .dispatcher import Dispatcher, declare
 from .executor import Executor
-from .handoff import Handoff
+from .handoff import Handoff, Run
 from .leases import Leases
 from .listener import Listener
 from .maintenance import Maintenance
 from .options import ConsumerOptions
 from .registry import Registry
-from .rows import ClaimedRow, ConsumerStats
+from .rows import ConsumerStats
 from .settler import Settler
 from .signals import Signals
 from .watchdog import Watchdog
@@ -212,7 +212,7 @@ class Engine:
                 observers=self._observers,
                 flow=flow,
             )
-            handoff: Handoff[list[ClaimedRow]] = Handoff()
+            handoff: Handoff[Run] = Handoff()
             try:
                 async with anyio.create_task_group() as workers:
                     self.workers_scope = workers.cancel_scope
@@ -230,10 +230,11 @@ class Engine:
                 handoff.close()
                 # runs handed out that no worker took (a fast stop): release them too
                 while (run := handoff.take_nowait()) is not None:
-                    executor.release(run[0])
-                    self._leases.finish(run[0])
+                    head, rest = (run[0], run[1:]) if isinstance(run, list) else (run, [])
+                    executor.release(head)
+                    self._leases.finish(head)
                     self._stats.in_flight -= 1
-                    executor.give_back(run[1:])
+                    executor.give_back(rest)
                 await settler.close(timeout=max(o.statement_timeout, 5.0))
                 with anyio.CancelScope(shield=True):
                     # no row claimed under our id may stay `processing` once run()
@@ -271,12 +272,17 @@ class Engine:
         self._signals.set_wake()
 
 
-async def _worker(handoff: Handoff[list[ClaimedRow]], executor: Executor) -> None:
-    while (run := await handoff.get()) is not None:
-        if len(run) == 1:  # an unordered event: one coroutine less per event
-            await executor.execute(run[0])
-        else:
+async def _worker(handoff: Handoff[Run], executor: Executor) -> None:
+    take, execute = handoff.take_nowait, executor.execute
+    while True:
+        # an item waiting is taken without a coroutine (the usual case in a drain: a
+        # worker whose handler did not suspend takes the next one at once)
+        if (run := take()) is None and (run := await handoff.get()) is None:
+            return
+        if isinstance(run, list):  # an ordered key's run
             await executor.execute_run(run)
+        else:  # an unordered event
+            await execute(run)
 
 
 async def _quietly(awaitable: object, level: int = logging.DEBUG) -> None:

@@ -185,7 +185,7 @@ class Executor:
                 return "released"
             if not self._leases.startable(row, time.monotonic() + self._lease_margin):
                 return self.lapsed(row)
-            if row.size > _THREAD_DECODE_CHARS:
+            if len(row.payload) > _THREAD_DECODE_CHARS:  # `row.size`, without the call
                 event = await self._event_in_thread(row)
             else:
                 event = self._event(row, self._decode)
@@ -247,8 +247,10 @@ class Executor:
                     shown = "dead" if outcome == "dead_block" else outcome
                     observers.handler_finished(event, token, shown, seconds, error)
             return outcome
-        finally:
-            self._finish(row)
+        finally:  # `_finish`, inlined
+            self._leases.finish(row)
+            self._stats.in_flight -= 1
+            self._on_finished()
 
     async def _event_in_thread(self, row: ClaimedRow) -> Event | None:
         try:

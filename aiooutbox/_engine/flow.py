@@ -34,7 +34,7 @@ from .._sql.flow import ALL_TOPICS, FlowQueries, flow_queries
 from .._values.text import exception_summary
 from .leases import Leases
 from .options import ConsumerOptions
-from .rows import ClaimedRow
+from .rows import ClaimedRow, epoch_seconds
 
 __all__ = ["EMPTY_RECHECK", "REFRESH", "RUNNING_RECHECK", "TOKENS_SOON", "Flow"]
 
@@ -318,7 +318,10 @@ class Flow:
             self._finished(topic)  # forget the rows that finished
         for r in records:
             if r[0] is not None:
-                row = ClaimedRow.from_record(tuple(r)[:_COLUMNS])
+                values = list(r)[:_COLUMNS]
+                # as the open claim's statement reads it (`ClaimedRow.available_at`)
+                values[8] = epoch_seconds(values[8])
+                row = ClaimedRow.from_record(values)
                 rows.append(row)
                 c = self._controls.get(row.topic)
                 if c is not None and c.max_running is not None:

@@ -8,11 +8,12 @@ to be written.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-__all__ = ["ClaimedRow", "ConsumerStats", "Outcome", "Settlement", "aware"]
+__all__ = ["ClaimedRow", "ConsumerStats", "Outcome", "Settlement", "aware", "epoch_seconds"]
 
 _MIN = datetime.min.replace(tzinfo=UTC)
 _MAX = datetime.max.replace(tzinfo=UTC)
@@ -32,6 +33,13 @@ def aware(value: datetime) -> datetime:
 
 def is_finite(value: datetime) -> bool:
     return value.tzinfo is not None and _MIN < value < _MAX
+
+
+def epoch_seconds(value: datetime) -> float:
+    """A timestamptz as asyncpg returns it, as epoch seconds (``±infinity``: ±inf)."""
+    if not is_finite(value):
+        return -math.inf if aware(value) == _MIN else math.inf
+    return value.timestamp()
 
 
 class Outcome(enum.Enum):
@@ -71,7 +79,7 @@ class ClaimedRow:
     attempts: int
     max_attempts: int
     created_at: datetime
-    available_at: datetime
+    available_at: float  # epoch seconds (±inf for ±infinity): the claim window's watermark
     message_id: str
     ordering_key: str | None = None
     is_head: bool = True  # False: a waiting event claimed behind its key's head
@@ -82,9 +90,8 @@ class ClaimedRow:
         it): positional, because reading twelve columns by name cost more per event
         than the rest of the hand-out."""
         row = cls(*record)
-        if row.created_at.tzinfo is None or row.available_at.tzinfo is None:
+        if row.created_at.tzinfo is None:
             row.created_at = aware(row.created_at)
-            row.available_at = aware(row.available_at)
         return row
 
     @property

@@ -12,7 +12,6 @@ by its deadline even while a background flush is retrying.
 from __future__ import annotations
 
 import logging
-import math
 import random
 from collections import defaultdict
 from collections.abc import Callable
@@ -21,7 +20,13 @@ from dataclasses import dataclass, field
 import anyio
 import asyncpg
 
-from .._sql.db import TRANSIENT_ERRORS, check_permanent, is_data_error, pool_is_closed, pooled
+from .._sql.db import (
+    TRANSIENT_ERRORS,
+    HeldConnection,
+    check_permanent,
+    is_data_error,
+    pool_is_closed,
+)
 from .._sql.statements import Queries
 from .._values.text import describe_exception, exception_message, exception_summary
 from .rows import Outcome, Settlement
@@ -33,6 +38,9 @@ logger = logging.getLogger("aiooutbox.settler")
 _SHOWN_IDS = 20  # ids named in a log line about outcomes that could not be written
 _PROMOTE_RETRY = 0.05  # seconds before trying again a key whose promotion was deferred
 _PLACEHOLDER = "(the error text of this attempt could not be stored: {})"
+# the connection is kept from one flush to the next, and given back once no outcome
+# came for this long (a drain flushes every few milliseconds)
+_HOLD_IDLE = _PROMOTE_RETRY
 
 
 @dataclass
@@ -72,6 +80,7 @@ class Settler:
         self._flush_size = flush_size
         self._timeout = statement_timeout
         self._pending = _Batch()
+        self._conn = HeldConnection(pool, statement_timeout)
         self._has_work = anyio.Event()
         self._flushed = anyio.Event()
         self._flush_lock = anyio.Lock()
@@ -126,7 +135,12 @@ class Settler:
     async def run(self) -> None:
         """Flush forever; cancel to stop, then call `close` for the final flush."""
         while True:
-            with anyio.move_on_after(_PROMOTE_RETRY if self._promote_later else math.inf):
+            # deferred promotions are retried after _PROMOTE_RETRY (as long as _HOLD_IDLE)
+            with anyio.move_on_after(_HOLD_IDLE):
+                await self._has_work.wait()
+            if not self._has_work.is_set() and not self._promote_later:
+                async with self._flush_lock:  # not under a flush of `close`
+                    await self._conn.release()  # idle: no connection held
                 await self._has_work.wait()
             self._has_work = anyio.Event()
             if self._pending.size < self._flush_size and not self._hurry:
@@ -152,6 +166,7 @@ class Settler:
                 async with self._flush_lock:
                     await self._flush_locked()
             self._abandon("the database could not be reached before the shutdown deadline")
+            await self._conn.release()
             if self._promote_later:
                 keys = sorted(self._promote_later)
                 logger.warning(
@@ -255,7 +270,7 @@ class Settler:
 
     async def _write(self, batch: _Batch) -> None:
         statements = self._statements(batch)
-        async with pooled(self._pool, self._timeout) as conn:
+        async with self._conn.use() as conn:
             try:
                 results = await self._execute(conn, statements)
             except asyncpg.PostgresError as exc:

@@ -95,6 +95,16 @@ def queries(schema: str = DEFAULT_SCHEMA, table: str = DEFAULT_TABLE) -> Queries
     )
 
 
+# The claim's columns as `ClaimedRow` reads them: ``available_at`` (only the claim
+# window's watermark reads it, the smallest of a claim's) as epoch seconds, a float8
+# asyncpg decodes at a fraction of a timestamptz's cost per row (±infinity stays ±inf)
+_CLAIMED = (
+    "c.id, c.topic, c.payload, c.dedupe_key, c.headers, c.attempts, c.max_attempts,"
+    " c.created_at, date_part('epoch', c.available_at) AS available_at, c.message_id,"
+    " c.ordering_key, c.is_head"
+)
+
+
 @dataclass(frozen=True)
 class Queries(MonitoringStatements):
     schema: str
@@ -254,17 +264,17 @@ class Queries(MonitoringStatements):
         # $5 byte cap, $6 run length behind an ordered head (0: heads only), $7 rows all
         # runs may take together; the claimed rows are `ClaimedRow`'s columns (0006)
         return (
-            f"SELECT * FROM {self._function('claim_v6')}"
-            "($1, $2::float8, $3::text[], $4::int, $5::bigint, $6::int, $7::int)"
+            f"SELECT {_CLAIMED} FROM {self._function('claim_v6')}"
+            "($1, $2::float8, $3::text[], $4::int, $5::bigint, $6::int, $7::int) AS c"
         )
 
     @property
     def claim_after(self) -> str:
         # the claim, starting after a watermark: $8 available_at, $9 id
         return (
-            f"SELECT * FROM {self._function('claim_v6')}"
+            f"SELECT {_CLAIMED} FROM {self._function('claim_v6')}"
             "($1, $2::float8, $3::text[], $4::int, $5::bigint, $6::int, $7::int,"
-            " $8::timestamptz, $9::bigint)"
+            " $8::timestamptz, $9::bigint) AS c"
         )
 
     @property
