@@ -523,35 +523,3 @@ async def test_retention_scenario_runs_at_tiny_sizes(pg_server: str, tmp_path: P
     assert all(positive(v) for v in section["rates"].values()), section["rates"]
     assert all(positive(v) for v in section["stats_ms"].values())
     assert "## History at scale and retention" in paths["markdown"].read_text()
-
-
-async def test_bare_loop_drains_beside_a_checkout(pg_server: str, tmp_path: Path) -> None:
-    from benchmarks import bare_loop
-
-    checkout = str(Path(__file__).resolve().parent.parent)
-    out = tmp_path / "bare.json"
-    summary = await bare_loop.main(
-        [
-            f"here={checkout}",
-            "--dsn",
-            pg_server,
-            "--events",
-            "300",
-            "--rounds",
-            "1",
-            "--batch",
-            "100",
-            "--settings",
-            '{"concurrency": 50, "pool_size": 2}',
-            "--database",
-            f"bench_bare_{uuid.uuid4().hex[:8]}",
-            "--out",
-            str(out),
-        ]
-    )
-    assert set(summary["medians"]) == {"bare", "here"}
-    for m in summary["medians"].values():
-        assert positive(m["rate"]) and positive(m["client_us"])
-    assert positive(summary["ratios_to_bare"]["here"])
-    written = json.loads(out.read_text())
-    assert [len(written["runs"][side]) for side in ("bare", "here")] == [1, 1]
