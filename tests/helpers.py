@@ -67,7 +67,7 @@ async def insert_unchecked(
 ) -> list[asyncpg.Record]:
     """Run ``sql``, an INSERT of rows in states no producer may write (done, dead,
     processing, waiting...: fixtures), as a restore would: with the table's insert check
-    (migration 0009) disabled for that one transaction. Returns the rows it returned."""
+    (migration 0013) disabled for that one transaction. Returns the rows it returned."""
     async with contextlib.AsyncExitStack() as stack:
         conn = (
             db

@@ -19,7 +19,7 @@ import asyncpg
 import pytest
 
 import aiooutbox
-from aiooutbox._sql import queries
+from aiooutbox._sql.statements import queries
 from tests.faults.ordered_proc import RUNS_DDL
 from tests.helpers import all_in, running, wait_until
 from tests.ordered_producers import HOWS, ISOLATIONS, insert_ordered, produce
