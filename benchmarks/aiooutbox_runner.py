@@ -109,7 +109,7 @@ class System:
         conn = await self.connect()
         triggers: list[str] = []
         if not order_trigger:
-            # the insert check exists from migration 0009 on
+            # the insert check exists from migration 0013 on
             names = [f"{self.q.table}_order", f"{self.q.table}_insert_check"]
             present = await conn.fetch(
                 "SELECT tgname FROM pg_trigger WHERE tgrelid = $1::regclass"

@@ -253,7 +253,7 @@ async def test_lease_recovery_of_runs_reads_the_key_and_primary_key_indexes(
     await insert_unchecked(
         pool,
         "INSERT INTO outbox_events (topic, payload, ordering_key, status)"
-        " SELECT 't', '{}', 'big', 'waiting' FROM generate_series(1, 5000)"
+        " SELECT 't', '{}', 'big', 'waiting' FROM generate_series(1, 5000)",
     )
     await aiooutbox.enqueue_many(
         pool,
@@ -380,7 +380,7 @@ async def test_the_orphan_sweep_reads_each_key_once_not_each_waiting_event(
     await insert_unchecked(
         pool,
         "INSERT INTO outbox_events (topic, payload, ordering_key, status)"
-        " SELECT 't', '{}', 'big', 'waiting' FROM generate_series(1, 20000)"
+        " SELECT 't', '{}', 'big', 'waiting' FROM generate_series(1, 20000)",
     )
     await pool.execute(
         "UPDATE outbox_events SET status = 'dead', blocks_key = true"

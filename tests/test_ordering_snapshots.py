@@ -1,4 +1,4 @@
-"""Ordered delivery whatever the producer's isolation level (migration 0009).
+"""Ordered delivery whatever the producer's isolation level (migration 0013).
 
 A producer at REPEATABLE READ or SERIALIZABLE decides head-or-waiting through its
 transaction's snapshot, which can predate the key's events. Two ways that went wrong:

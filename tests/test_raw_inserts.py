@@ -3,7 +3,7 @@
 Every column of the table, set by a raw INSERT (or COPY), one at a time: the columns a
 producer owns are accepted and the event is handled; the ones a consumer owns are
 refused before anything is written, with a check violation that names them (migration
-0009). Before, a row inserted `processing` was never handled, recovered or made dead
+0013). Before, a row inserted `processing` was never handled, recovered or made dead
 (and blocked its key for ever), `waiting` ones were handled by nobody, and `attempts`
 near INT_MAX failed every claim of the topic.
 """
@@ -34,6 +34,8 @@ REFUSED = [
     ("last_error", "'boom'", "last_error"),
     ("blocks_key", "true", "blocks_key"),
     ("holds_key", "true", "holds_key"),
+    ("flow_counted", "true", "flow_counted"),
+    ("flow_counted", "false", "flow_counted"),
     ("headers", "'[1, 2]'", "headers [1, 2] (must be a JSON object)"),
     ("headers", "'null'", "headers null"),
 ]
@@ -62,7 +64,21 @@ ACCEPTED = [
     ("last_error", "NULL"),
     ("blocks_key", "false"),
     ("holds_key", "false"),
+    ("flow_counted", "NULL"),
 ]
+
+# set by every insert; `id` is GENERATED ALWAYS (only OVERRIDING SYSTEM VALUE sets it)
+ALWAYS = {"id", "topic", "payload"}
+
+
+async def test_every_column_of_the_table_is_classified(pool: asyncpg.Pool) -> None:
+    """A column added by a later migration must be sorted here: refused or accepted."""
+    columns = await pool.fetch(
+        "SELECT column_name FROM information_schema.columns"
+        " WHERE table_schema = 'public' AND table_name = 'outbox_events'"
+    )
+    classified = ALWAYS | {c for c, _, _ in REFUSED} | {c for c, _ in ACCEPTED}
+    assert {r[0] for r in columns} == classified
 
 
 @pytest.mark.parametrize("ordered", [False, True], ids=["unordered", "ordered"])
