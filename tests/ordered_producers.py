@@ -107,8 +107,9 @@ class SideTraffic:
     `enqueue_many` and raw SQL. Two more keys replay the issue's case over and over
     (`_stale`), one at each of the two levels. Beside them a raw SQL producer names
     every status: only ``pending`` may go in. ``accepted`` counts the events that went
-    in; ``refusals`` the refused tries per producer; ``kinds`` the refusals by cause: ``head`` (the one-head index: the key got a claimable or running
-    event after the snapshot), ``snapshot`` (every unfinished event the snapshot showed
+    in; ``refusals`` the refused tries per producer; ``kinds`` the refusals by cause:
+    ``head`` (the one-head index: the key got a claimable or running event after the
+    snapshot), ``snapshot`` (every unfinished event the snapshot showed
     had changed since) and ``ssi`` (SERIALIZABLE's own conflicts between producers);
     ``unexpected`` what should have been refused and was not.
     """
