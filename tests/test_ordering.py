@@ -274,15 +274,16 @@ async def test_bad_ordering_keys_are_refused_before_anything_is_written(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(240)  # 60-120 s on a loaded shared 2-core machine
 async def test_order_holds_through_a_sigkilled_consumer_process(
     dsn: str, runs: asyncpg.Pool
 ) -> None:
-    """300 keys x 40 events, three consumer processes (concurrency 64 each), 10% of first
+    """150 keys x 40 events, three consumer processes (concurrency 64 each), 10% of first
     attempts failing; one process is SIGKILLed mid-run and replaced. Meanwhile producers
     at READ COMMITTED, REPEATABLE READ and SERIALIZABLE write to four more keys at once,
     with snapshots taken while the consumers claim and settle those keys, and a raw SQL
     producer tries every status (`SideTraffic`)."""
-    await _produce(runs, keys=300, per_key=40)
+    await _produce(runs, keys=150, per_key=40)
     procs: list[asyncio.subprocess.Process] = []
 
     async def start(name: str) -> asyncio.subprocess.Process:
@@ -309,14 +310,14 @@ async def test_order_holds_through_a_sigkilled_consumer_process(
         await start("p1")
         await start("p2")
         side = asyncio.ensure_future(traffic.run(stop))
-        await wait_until(lambda: _done_at_least(runs, 3000), timeout=120, interval=0.05)
+        await wait_until(lambda: _done_at_least(runs, 1500), timeout=120, interval=0.05)
         victim.send_signal(signal.SIGKILL)
         await victim.wait()
         await start("p3")
-        await wait_until(lambda: _done_at_least(runs, 9000), timeout=120, interval=0.1)
+        await wait_until(lambda: _done_at_least(runs, 4500), timeout=120, interval=0.1)
         stop.set()
         await asyncio.wait_for(side, 120)
-        total = 12_000 + traffic.accepted
+        total = 6_000 + traffic.accepted
         try:
             await wait_until(all_in(runs, "done", total), timeout=240, interval=0.5)
         except AssertionError as exc:
@@ -340,6 +341,13 @@ async def test_order_holds_through_a_sigkilled_consumer_process(
         f" {traffic.raw_refused}; overlapping"
         f" runs {overlaps}, out of order {out_of_order}; statuses {left}"
     )
+    if out_of_order:
+        for r in await runs.fetch(
+            "SELECT r.* FROM runs r WHERE (r.okey, r.src) IN (SELECT x.okey, x.src FROM runs x"
+            f" WHERE x.run IN (SELECT r.run {OUT_OF_ORDER.split('count(*)', 1)[1]}))"
+            " ORDER BY r.okey, r.src, r.started"
+        ):
+            print(dict(r))
     assert (overlaps, out_of_order) == (0, 0), "two runs of a key overlapped, or ran out of order"
     assert finished is None and set(left) == {"done"}, f"events left unhandled: {left}"
     assert traffic.unexpected == [], traffic.unexpected[:5]
