@@ -36,16 +36,26 @@ import psutil
 import aiooutbox
 
 DSN, TABLE, N, SETTINGS = sys.argv[1], "outbox_events", int(sys.argv[2]), json.loads(sys.argv[3])
+KEYS = int(sys.argv[4])  # 0: unordered; else event g has ordering key g % KEYS
 
 
 async def main():
     conn = await asyncpg.connect(DSN)
     await aiooutbox.migrate(conn)
-    await conn.execute(
-        f"INSERT INTO {TABLE} (topic, payload)"
-        " SELECT 'bench', jsonb_build_object('i', g) FROM generate_series(1, $1) g",
-        N,
-    )
+    if KEYS:
+        await conn.execute(
+            f"INSERT INTO {TABLE} (topic, payload, ordering_key)"
+            " SELECT 'bench', jsonb_build_object('i', g), 'k' || (g % $2)"
+            " FROM generate_series(1, $1) g",
+            N,
+            KEYS,
+        )
+    else:
+        await conn.execute(
+            f"INSERT INTO {TABLE} (topic, payload)"
+            " SELECT 'bench', jsonb_build_object('i', g) FROM generate_series(1, $1) g",
+            N,
+        )
     await conn.execute(f"VACUUM ANALYZE {TABLE}")
     handled = 0
     finished = asyncio.Event()
@@ -106,6 +116,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--events", type=int, default=50_000)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument(
+        "--keys",
+        type=int,
+        default=0,
+        help="spread the events over this many ordering keys (0: unordered; every side"
+        " must support ordered delivery)",
+    )
+    parser.add_argument(
         "--settings",
         default='{"concurrency": 500, "pool_size": 6}',
         help="OutboxConsumer keyword arguments as JSON, plus pool_size ('{}': the defaults)",
@@ -126,6 +143,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("give at least two sides to compare")
     if args.events < 1 or args.rounds < 1:
         parser.error("--events and --rounds must be positive")
+    if args.keys < 0:
+        parser.error("--keys must not be negative")
     args.sides, args.settings = sides, settings_argument(parser, "--settings", args.settings)
     return args
 
@@ -145,6 +164,7 @@ async def drain(args: argparse.Namespace, checkout: Path) -> dict[str, float]:
         dsn,
         str(args.events),
         json.dumps(args.settings),
+        str(args.keys),
         env=env,
         cwd="/",
         stdout=asyncio.subprocess.PIPE,

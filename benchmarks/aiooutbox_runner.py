@@ -103,15 +103,26 @@ class System:
     ) -> None:
         """``INSERT INTO the table (columns) SELECT values FROM generate_series`` (``g``
         from 1 to ``n``) in chunks, then VACUUM ANALYZE. ``order_trigger=False``: with
-        the ordering trigger disabled, for loads that set each row's status themselves
-        (the trigger's per-row head check can be a full scan: see ordering_isolation)."""
+        the ordering trigger and the insert check disabled, for loads that set each row's
+        status themselves (the trigger's per-row head check can be a full scan: see
+        ordering_isolation; the check refuses statuses other than pending)."""
         conn = await self.connect()
-        trigger = f'"{self.q.table}_order"'
+        triggers: list[str] = []
+        if not order_trigger:
+            # the insert check exists from migration 0013 on
+            names = [f"{self.q.table}_order", f"{self.q.table}_insert_check"]
+            present = await conn.fetch(
+                "SELECT tgname FROM pg_trigger WHERE tgrelid = $1::regclass"
+                " AND tgname = ANY ($2::text[])",
+                self.q.qualified,
+                names,
+            )
+            triggers = [f'"{r[0]}"' for r in present]
         try:
             for start in range(0, n, _CHUNK):
                 stop = min(n, start + _CHUNK)
                 async with conn.transaction():
-                    if not order_trigger:
+                    for trigger in triggers:
                         await conn.execute(
                             f"ALTER TABLE {self.q.qualified} DISABLE TRIGGER {trigger}"
                         )
@@ -121,7 +132,7 @@ class System:
                         start + 1,
                         stop,
                     )
-                    if not order_trigger:
+                    for trigger in triggers:
                         await conn.execute(
                             f"ALTER TABLE {self.q.qualified} ENABLE TRIGGER {trigger}"
                         )

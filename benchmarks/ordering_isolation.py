@@ -113,17 +113,18 @@ async def ordering(bench: Bench) -> None:
     blocked = await _fixture(bench, "aiooutbox_blocked")
     t = time.perf_counter()
     q = blocked.q
-    await blocked.execute(
-        f"INSERT INTO {q.qualified} (topic, payload, ordering_key, status, attempts,"
-        " available_at, last_error) VALUES ($1, '{}', $2, 'retry', 1,"
-        " now() + interval '30 days', 'the failing head of a blocked key')",
-        TOPIC,
-        BLOCKED_KEY,
+    await blocked.insert_series(
+        1,
+        "topic, payload, ordering_key, status, attempts, available_at, last_error",
+        f"'{TOPIC}', '{{}}', '{BLOCKED_KEY}', 'retry', 1, now() + interval '30 days',"
+        " 'the failing head of a blocked key'",
+        order_trigger=False,
     )
     await blocked.insert_series(
         backlog,
         "topic, payload, ordering_key, status",
         f"'{TOPIC}', jsonb_build_object('i', g), '{BLOCKED_KEY}', 'waiting'",
+        order_trigger=False,
     )
     await blocked.keep_loaded()
     build_s = time.perf_counter() - t

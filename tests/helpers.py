@@ -60,3 +60,23 @@ def all_in(
         return (await status_counts(db)).get(status, 0) == total
 
     return check
+
+
+async def insert_unchecked(
+    db: asyncpg.Pool | asyncpg.Connection, sql: str, *args: Any
+) -> list[asyncpg.Record]:
+    """Run ``sql``, an INSERT of rows in states no producer may write (done, dead,
+    processing, waiting...: fixtures), as a restore would: with the table's insert check
+    (migration 0013) disabled for that one transaction. Returns the rows it returned."""
+    async with contextlib.AsyncExitStack() as stack:
+        conn = (
+            db
+            if isinstance(db, asyncpg.Connection)
+            else await stack.enter_async_context(db.acquire())
+        )
+        async with conn.transaction():
+            check = "outbox_events_insert_check"
+            await conn.execute(f"ALTER TABLE outbox_events DISABLE TRIGGER {check}")
+            rows: list[asyncpg.Record] = await conn.fetch(sql, *args)
+            await conn.execute(f"ALTER TABLE outbox_events ENABLE TRIGGER {check}")
+        return rows

@@ -377,7 +377,8 @@ def test_latency_grew_tells_a_building_backlog_from_a_steady_one() -> None:
     assert not latency_grew([[0, 5, 9, 0], [0.5, 900, 900, 0], [1, 5, 9, 10]])
 
 
-async def test_version_ab_drains_every_side(pg_server: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("keys", [0, 20])
+async def test_version_ab_drains_every_side(pg_server: str, tmp_path: Path, keys: int) -> None:
     from benchmarks import ab
 
     checkout = str(Path(__file__).resolve().parent.parent)
@@ -398,6 +399,8 @@ async def test_version_ab_drains_every_side(pg_server: str, tmp_path: Path) -> N
             f"bench_ab_{uuid.uuid4().hex[:8]}",
             "--out",
             str(out),
+            "--keys",  # 20: events spread over 20 ordering keys
+            str(keys),
         ]
     )
     assert set(summary["medians"]) == {"one", "two"}
@@ -418,6 +421,7 @@ def test_version_ab_refuses_bad_sides(tmp_path: Path) -> None:
         [f"one={checkout}", f"two={tmp_path}"],  # not a checkout
         [f"one={checkout}", "no-equals-sign"],
         [f"one={checkout}", f"two={checkout}", "--settings", "[1]"],
+        [f"one={checkout}", f"two={checkout}", "--keys", "-1"],
     ):
         with pytest.raises(SystemExit):
             ab.parse([*argv, "--dsn", "postgresql://x@127.0.0.1/none"])

@@ -20,7 +20,7 @@ from aiooutbox import embedded
 from aiooutbox.migrations import migrations as _shipped
 from tests import clirunner
 from tests.clirunner import ROOT, Result, Runner, clean_env, cli
-from tests.helpers import status_counts, wait_until
+from tests.helpers import insert_unchecked, status_counts, wait_until
 
 ALL_VERSIONS = [m.version for m in _shipped()]
 
@@ -103,12 +103,15 @@ async def test_dead_retry_and_purge_name_ids_not_acted_on(
     dsn: str, conn: asyncpg.Connection
 ) -> None:
     ids = [
-        await conn.fetchval(
-            "INSERT INTO outbox_events (topic, payload, status, finished_at)"
-            " VALUES ('t', '{}', $1, now() - $2::text::interval) RETURNING id",
-            status,
-            age,
-        )
+        (
+            await insert_unchecked(
+                conn,
+                "INSERT INTO outbox_events (topic, payload, status, finished_at)"
+                " VALUES ('t', '{}', $1, now() - $2::text::interval) RETURNING id",
+                status,
+                age,
+            )
+        )[0]["id"]
         for status, age in (("dead", "40 days"), ("dead", "1 day"), ("done", "1 day"))
     ]
     old, young, done = ids
@@ -156,9 +159,10 @@ async def test_migrate_sql_leaves_the_comments_placeholders_as_names() -> None:
 async def test_run_flags_handler_timeout_retry_policy_and_retention(
     dsn: str, conn: asyncpg.Connection
 ) -> None:
-    await conn.execute(
+    await insert_unchecked(
+        conn,
         "INSERT INTO outbox_events (topic, payload, status, finished_at)"
-        " SELECT 'quick', '{}', 'done', now() - interval '2 days' FROM generate_series(1, 3)"
+        " SELECT 'quick', '{}', 'done', now() - interval '2 days' FROM generate_series(1, 3)",
     )
     await conn.execute(
         "INSERT INTO outbox_events (topic, payload, max_attempts) VALUES ('sleepy', '{}', 1)"
@@ -194,10 +198,13 @@ async def test_run_flags_handler_timeout_retry_policy_and_retention(
     assert 3500 < rows["failing"]["wait"] <= 3600, rows["failing"]  # 1 h: no jitter
     assert rows["failing"]["attempts"] == 1 and failing
 
-    kept = await conn.fetchval(
-        "INSERT INTO outbox_events (topic, payload, status, finished_at)"
-        " VALUES ('quick', '{}', 'done', now() - interval '30 days') RETURNING id"
-    )
+    kept = (
+        await insert_unchecked(
+            conn,
+            "INSERT INTO outbox_events (topic, payload, status, finished_at)"
+            " VALUES ('quick', '{}', 'done', now() - interval '30 days') RETURNING id",
+        )
+    )[0]["id"]
     env = clean_env(AIOOUTBOX_RETENTION="none")
     async with Runner(HANDLERS, "--dsn", dsn, "--poll-interval", "0.1", env=env) as r:
         await r.wait_for_line(r"consuming .*done events kept forever")

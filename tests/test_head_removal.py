@@ -24,7 +24,7 @@ from aiooutbox import admin
 from aiooutbox._sql.plans import nested_plans
 from aiooutbox._sql.statements import queries
 from aiooutbox.errors import InvalidArgument
-from tests.helpers import running, status_counts, wait_until
+from tests.helpers import insert_unchecked, running, status_counts, wait_until
 
 Q = queries()
 FAST = aiooutbox.RetryPolicy(base=0.02, max_delay=0.1)
@@ -250,9 +250,10 @@ async def test_lease_recovery_of_runs_reads_the_key_and_primary_key_indexes(
 ) -> None:
     """Recovering runs looks at the earlier events of each key through the key index
     and updates through the primary key, beside a key with a large backlog."""
-    await pool.execute(
+    await insert_unchecked(
+        pool,
         "INSERT INTO outbox_events (topic, payload, ordering_key, status)"
-        " SELECT 't', '{}', 'big', 'waiting' FROM generate_series(1, 5000)"
+        " SELECT 't', '{}', 'big', 'waiting' FROM generate_series(1, 5000)",
     )
     await aiooutbox.enqueue_many(
         pool,
@@ -376,16 +377,18 @@ async def test_the_orphan_sweep_reads_each_key_once_not_each_waiting_event(
     """The periodic sweep's cost is one probe per key with unfinished events: beside a
     key with 20,000 waiting events, its plans stay on the key index and the buffers it
     touches do not grow with that backlog."""
-    await pool.execute(
+    await insert_unchecked(
+        pool,
         "INSERT INTO outbox_events (topic, payload, ordering_key, status)"
-        " SELECT 't', '{}', 'big', 'waiting' FROM generate_series(1, 20000)"
+        " SELECT 't', '{}', 'big', 'waiting' FROM generate_series(1, 20000)",
     )
     await pool.execute(
         "UPDATE outbox_events SET status = 'dead', blocks_key = true"
         " WHERE id = (SELECT min(id) FROM outbox_events)"
     )
     for k in range(100):
-        await pool.execute(
+        await insert_unchecked(
+            pool,
             "INSERT INTO outbox_events (topic, payload, ordering_key, status)"
             " VALUES ('t', '{}', $1, 'pending'), ('t', '{}', $1, 'waiting')",
             f"small{k}",

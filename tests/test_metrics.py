@@ -28,7 +28,7 @@ from aiooutbox.health import ConsumerHealth
 from aiooutbox.metrics import MetricsServer, OutboxMetrics
 from tests.clirunner import Runner, clean_env, cli
 from tests.faults.private_pg import private_postgres
-from tests.helpers import running, truthy, wait_until
+from tests.helpers import insert_unchecked, running, truthy, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -207,18 +207,20 @@ async def test_queue_gauges_query_reads_only_unfinished_rows_of_a_big_table(
     conn: asyncpg.Connection,
 ) -> None:
     q = queries()
-    await conn.execute(
+    await insert_unchecked(
+        conn,
         "INSERT INTO outbox_events (topic, payload, status, attempts, finished_at)"
-        " SELECT 't' || (g % 5), '{}', 'done', 1, now() FROM generate_series(1, 200000) g"
+        " SELECT 't' || (g % 5), '{}', 'done', 1, now() FROM generate_series(1, 200000) g",
     )
     await conn.execute(
         "INSERT INTO outbox_events (topic, payload) SELECT 't' || (g % 5), '{}'"
         " FROM generate_series(1, 500) g"
     )
-    await conn.execute(
+    await insert_unchecked(
+        conn,
         "INSERT INTO outbox_events (topic, payload, status, locked_by, lease_expires_at)"
         " SELECT 't1', '{}', 'processing', 'w', now() + interval '1 minute'"
-        " FROM generate_series(1, 20)"
+        " FROM generate_series(1, 20)",
     )
     for key in ("a", "b"):  # an ordered key: one head, the rest waiting
         for _ in range(3):

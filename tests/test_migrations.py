@@ -211,10 +211,13 @@ async def test_custom_schema_and_table_are_independent_outboxes(empty_dsn: str) 
             " ORDER BY 1, 2"
         )
         assert [tuple(r) for r in triggers] == [
+            ("billing.jobs", "jobs_insert_check"),
             ("billing.jobs", "jobs_order"),
             ("billing.jobs", "jobs_wakeup"),
+            ("other_outbox", "other_outbox_insert_check"),
             ("other_outbox", "other_outbox_order"),
             ("other_outbox", "other_outbox_wakeup"),
+            ("outbox_events", "outbox_events_insert_check"),
             ("outbox_events", "outbox_events_order"),
             ("outbox_events", "outbox_events_wakeup"),
         ]

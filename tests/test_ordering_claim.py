@@ -12,6 +12,7 @@ import asyncpg
 import aiooutbox
 from aiooutbox._sql.plans import nested_plans
 from aiooutbox._sql.statements import queries
+from tests.helpers import insert_unchecked
 
 Q = queries()
 WORKER = "test-claim"
@@ -19,13 +20,15 @@ WORKER = "test-claim"
 
 async def _insert(pool: asyncpg.Pool, key: str, status: str, *, payload: str = "{}") -> int:
     """A raw row of ``key`` with the status given: no trigger decides it."""
-    event_id: int = await pool.fetchval(
+    rows = await insert_unchecked(
+        pool,
         "INSERT INTO outbox_events (topic, payload, ordering_key, status)"
         " VALUES ('t', $1::jsonb, $2, $3::outbox_events_status) RETURNING id",
         payload,
         key,
         status,
     )
+    event_id: int = rows[0]["id"]
     return event_id
 
 
@@ -142,9 +145,10 @@ async def test_promotion_and_the_orphan_sweep_read_the_key_index_beside_a_big_ke
 ) -> None:
     """Beside one key with a large backlog (the statistics then say it fills the
     table), the generic plans must still probe the key index per key."""
-    await pool.execute(
+    await insert_unchecked(
+        pool,
         "INSERT INTO outbox_events (topic, payload, ordering_key, status)"
-        " SELECT 't', '{}', 'big', 'waiting' FROM generate_series(1, 5000)"
+        " SELECT 't', '{}', 'big', 'waiting' FROM generate_series(1, 5000)",
     )
     for k in range(50):
         await _insert(pool, f"small{k}", "done")

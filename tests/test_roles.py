@@ -21,6 +21,7 @@ import pytest
 
 import aiooutbox
 import aiooutbox.admin
+from tests.helpers import insert_unchecked
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "guarantees.md"
 
@@ -140,15 +141,17 @@ async def test_consumer_role_runs_a_real_consumer(dsn: str, roles: Roles) -> Non
     producer = await asyncpg.connect(as_user(dsn, roles.producer))
     try:
         # an old done row for retention to delete, and an expired lease to recover
-        await admin.execute(
+        await insert_unchecked(
+            admin,
             "INSERT INTO outbox_events (topic, payload, status, finished_at)"
-            " VALUES ('orders.created', '{}', 'done', now() - interval '2 days')"
+            " VALUES ('orders.created', '{}', 'done', now() - interval '2 days')",
         )
-        await admin.execute(
+        await insert_unchecked(
+            admin,
             "INSERT INTO outbox_events (topic, payload, status, attempts, locked_by,"
             " locked_at, lease_expires_at)"
             " VALUES ('orders.created', '{\"stale\": true}', 'processing', 1, 'gone',"
-            " now() - interval '1 minute', now() - interval '1 second')"
+            " now() - interval '1 minute', now() - interval '1 second')",
         )
         await aiooutbox.enqueue_many(
             producer, [aiooutbox.NewEvent("orders.created", {"n": i}) for i in range(20)]
@@ -206,11 +209,14 @@ async def test_consumer_role_runs_a_real_consumer(dsn: str, roles: Roles) -> Non
 
             # the operator's tools work with the consumer's grants
             dead = [
-                await admin.fetchval(
-                    "INSERT INTO outbox_events (topic, payload, status, attempts, finished_at)"
-                    " VALUES ('orders.created', '{}', 'dead', 5, now() - interval '40 days')"
-                    " RETURNING id"
-                )
+                (
+                    await insert_unchecked(
+                        admin,
+                        "INSERT INTO outbox_events (topic, payload, status, attempts,"
+                        " finished_at) VALUES ('orders.created', '{}', 'dead', 5,"
+                        " now() - interval '40 days') RETURNING id",
+                    )
+                )[0]["id"]
                 for _ in range(2)
             ]
             report = await aiooutbox.admin.stats(pool)

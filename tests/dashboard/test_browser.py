@@ -16,7 +16,7 @@ import pytest
 import aiooutbox
 from tests.dashboard.browser import browser_page, screenshot
 from tests.dashboard.server import dashboard
-from tests.helpers import running, wait_until
+from tests.helpers import insert_unchecked, running, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -203,7 +203,8 @@ async def test_bulk_retry_by_filter_in_the_browser(dsn: str) -> None:
     conn = await asyncpg.connect(dsn)
     try:
         for topic, n in (("a", 3), ("b", 2)):
-            await conn.execute(
+            await insert_unchecked(
+                conn,
                 "INSERT INTO outbox_events (topic, payload, status, attempts, finished_at,"
                 " last_error) SELECT $1, jsonb_build_object('i', g), 'dead', 5, now(),"
                 " CASE WHEN g % 2 = 0 THEN 'even' ELSE 'odd' END FROM generate_series(1, $2) g",

@@ -16,6 +16,7 @@ import pytest
 
 from tests.dashboard.browser import Watched, browser_page
 from tests.dashboard.server import dashboard
+from tests.helpers import insert_unchecked
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +38,8 @@ async def plant(conn: asyncpg.Connection) -> list[int]:
     for i, text in enumerate(HOSTILE):
         payload = {"text": text, text: [text], "nested": {"html": text}}
         headers = {"x-evil": text, "traceparent": text}
-        dead = await conn.fetchval(
+        [[dead]] = await insert_unchecked(
+            conn,
             "INSERT INTO outbox_events (topic, payload, headers, ordering_key, dedupe_key,"
             " status, attempts, last_error, finished_at, blocks_key)"
             " VALUES ($1, $2::jsonb, $3::jsonb, $4, $5, 'dead', 5, $6, now(), true) RETURNING id",
@@ -52,7 +54,8 @@ async def plant(conn: asyncpg.Connection) -> list[int]:
         await conn.execute(
             "INSERT INTO outbox_events (topic, payload, ordering_key) VALUES ($1, '{}', $1)", text
         )
-        held = await conn.fetchval(
+        [[held]] = await insert_unchecked(
+            conn,
             "INSERT INTO outbox_events (topic, payload, status, attempts, locked_by, locked_at,"
             " lease_expires_at) VALUES ($1, $2::jsonb, 'processing', 1, $1, now(),"
             " now() + interval '1 hour') RETURNING id",

@@ -25,7 +25,7 @@ RUNS_DDL = (
     "CREATE TABLE IF NOT EXISTS runs (run BIGSERIAL PRIMARY KEY, event_id BIGINT NOT NULL,"
     " okey TEXT NOT NULL, seq INT NOT NULL, worker TEXT NOT NULL, attempt INT NOT NULL,"
     " started TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp(), ended TIMESTAMPTZ,"
-    " outcome TEXT)"
+    " outcome TEXT, src TEXT NOT NULL DEFAULT '')"
 )
 
 
@@ -37,13 +37,14 @@ async def main(config: dict[str, Any]) -> None:
 
         async def handle(event: aiooutbox.Event) -> None:
             run = await pool.fetchval(
-                "INSERT INTO runs (event_id, okey, seq, worker, attempt)"
-                " VALUES ($1, $2, $3, $4, $5) RETURNING run",
+                "INSERT INTO runs (event_id, okey, seq, worker, attempt, src)"
+                " VALUES ($1, $2, $3, $4, $5, $6) RETURNING run",
                 event.id,
                 event.ordering_key,
                 event.payload["seq"],
                 worker,
                 event.attempts,
+                event.payload.get("src", ""),  # which producer: order is per producer
             )
             await asyncio.sleep(random.random() * 0.004 if seconds is None else float(seconds))
             fail = event.attempts == 1 and random.random() < rate
