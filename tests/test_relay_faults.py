@@ -160,7 +160,7 @@ async def test_redis_exactly_once_through_sigkill(dsn: str, pool: asyncpg.Pool) 
     try:
         stream = unique("relay:kill:")
         await fill(pool, TOTAL)
-        await kill_midway(pool, dsn, broker.url, TOTAL, "--destination", stream)
+        print(await kill_midway(pool, dsn, broker.url, TOTAL, "--destination", stream))
         entries = cast(Any, await client.xrange(stream))
         ids = [f[b"message_id"].decode() for _, f in entries]
         exactly_once(ids, await message_ids(pool), await repeats(pool))
@@ -178,7 +178,7 @@ async def test_kafka_exactly_once_through_sigkill(
     await kafka_topic(kafka.bootstrap, topic)
     await fill(pool, TOTAL)
     to = f"kafka://{kafka.bootstrap}"
-    await kill_midway(pool, dsn, to, TOTAL, "--destination", topic, "--no-idempotence")
+    print(await kill_midway(pool, dsn, to, TOTAL, "--destination", topic, "--no-idempotence"))
     found = await kafka_read(kafka.bootstrap, topic, TOTAL, timeout=60)
     ids = [dict(m.headers)["outbox-message-id"].decode() for m in found]
     exactly_once(ids, await message_ids(pool), await repeats(pool))

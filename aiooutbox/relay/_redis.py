@@ -163,6 +163,10 @@ class RedisSink(Sink):
             if len(entries) < _PAGE:
                 return
 
+    def _may_have_landed(self, exc: BaseException) -> bool:
+        # the client's pool had no free connection: the command was never sent
+        return type(exc).__name__ != "MaxConnectionsError"
+
     def _refusal(self, exc: BaseException, message: Message) -> str | None:
         if type(exc) is not self._exceptions.ResponseError:  # subclasses: OOM, NOPERM, ...
             return None

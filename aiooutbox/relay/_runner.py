@@ -321,6 +321,8 @@ async def _relay(
         s.released,
         sink.found_published,
     )
+    if sink._lookup is not None and sink._lookup.lookups:
+        logger.info("read back: %s", sink._lookup.summary())
     return 0
 
 

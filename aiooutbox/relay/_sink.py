@@ -237,7 +237,8 @@ class Sink:
                 await asyncio.sleep(min(pause, deadline - now))
                 pause = min(pause * 2, 1.0)
                 self.republished += 1
-                look = self._lookup is not None  # the lost publish may have landed
+                # the lost publish may have landed: look before publishing again
+                look = self._lookup is not None and self._may_have_landed(exc)
                 continue
             if self._outage_since is not None:
                 logger.info(
@@ -291,6 +292,10 @@ class Sink:
 
     async def _send(self, message: Message) -> None:
         raise NotImplementedError
+
+    def _may_have_landed(self, exc: BaseException) -> bool:
+        """False when the outage ``exc`` stopped the publish before it was sent."""
+        return True
 
     async def _published(self, message: Message) -> bool:
         """True when the broker already holds ``message`` (sinks with a `_lookup`)."""
