@@ -10,9 +10,9 @@ second copy. First attempts never look.
 
 What was read is kept per place (a Kafka partition, a Redis stream): the ids found
 since the bound (rounded down to a minute) and where the read stopped. Later look-ups
-in the same place read only what was appended since, and one read serves every look-up that was waiting for it, so
-the few hundred repeats after a crash cost one scan of each place from the bound plus
-a short read each. A place not looked up for ``_FORGET`` seconds is forgotten.
+in the same place read only what was appended since, and one read serves every look-up
+waiting for it, so the few hundred repeats after a crash cost one scan of each place
+from the bound plus a short read each. A place not looked up for ``_FORGET`` seconds is forgotten.
 """
 
 from __future__ import annotations
