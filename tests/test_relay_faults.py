@@ -14,6 +14,7 @@ import nats
 import pytest
 import redis.asyncio as aioredis
 
+import aiooutbox
 from aiooutbox._engine.options import ConsumerOptions
 from aiooutbox.relay import KafkaSink, NatsSink, RabbitMQSink, Sink
 from tests.conftest import TEMPLATE, _drop, _new_database, with_database
@@ -302,3 +303,46 @@ async def test_kafka_outage_10s(pool: asyncpg.Pool) -> None:
         ids = [dict(m.headers)["outbox-message-id"].decode() for m in found]
         assert set(ids) == await message_ids(pool)
         print(f"duplicates after the outage: {len(ids) - len(set(ids))}")
+
+
+async def fill_ordered(pool: asyncpg.Pool, topic: str) -> None:
+    """TOTAL events over 200 ordering keys, so the relay claims runs behind heads."""
+    for start in range(0, TOTAL, 2000):
+        batch = [
+            aiooutbox.NewEvent(topic, {"n": i}, ordering_key=f"k{i % 200}")
+            for i in range(start, start + 2000)
+        ]
+        async with pool.acquire() as conn:
+            await aiooutbox.enqueue_many(conn, batch)
+
+
+async def test_redis_ordered_exactly_once_through_sigkill(dsn: str, pool: asyncpg.Pool) -> None:
+    """Ordered events: a run member behind a recovered head gets its attempt back
+    (``attempts`` 1 again) but is ``redelivered``, so it is looked up too."""
+    broker = PrivateRedis()
+    broker.start()
+    client = aioredis.Redis.from_url(broker.url)
+    try:
+        stream = unique("relay:kill:")
+        await fill_ordered(pool, stream)
+        print(await kill_midway(pool, dsn, broker.url, TOTAL))
+        entries = cast(Any, await client.xrange(stream))
+        ids = [f[b"message_id"].decode() for _, f in entries]
+        exactly_once(ids, await message_ids(pool), await repeats(pool))
+    finally:
+        await client.aclose()
+        broker.destroy()
+
+
+async def test_kafka_ordered_exactly_once_through_sigkill(
+    dsn: str, pool: asyncpg.Pool, kafka: Tansu
+) -> None:
+    """Keyed records: each repeat is looked up in the one partition its key goes to."""
+    topic = unique("relay.kill.")
+    await kafka_topic(kafka.bootstrap, topic)
+    await fill_ordered(pool, topic)
+    to = f"kafka://{kafka.bootstrap}"
+    print(await kill_midway(pool, dsn, to, TOTAL, "--no-idempotence"))
+    found = await kafka_read(kafka.bootstrap, topic, TOTAL, timeout=60)
+    ids = [dict(m.headers)["outbox-message-id"].decode() for m in found]
+    exactly_once(ids, await message_ids(pool), await repeats(pool))

@@ -92,12 +92,14 @@ class Lookup:
                 if message_id in seen.ids:
                     return True
                 if seen.read_at < asked:  # no read began after we asked: read the rest
-                    seen.read_at = began = time.monotonic()
-                    before = len(seen.ids)
+                    last, seen.read_at = seen.read_at, time.monotonic()
+                    began, before = seen.read_at, len(seen.ids)
                     try:
                         await self._read(place, seen)
                     except BaseException:
-                        self._seen.pop(place, None)  # half read: start again next time
+                        # what was read stays (a read moves the position only past ids
+                        # it added), but the look-ups waiting for this read must read
+                        seen.read_at = last
                         raise
                     finally:
                         self.seconds += time.monotonic() - began

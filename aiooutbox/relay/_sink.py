@@ -198,7 +198,7 @@ class Sink:
         deadline: float | None = None
         pause = 0.05
         # not the event's first attempt: an earlier one may have reached the broker
-        look = event.attempts > 1 and self._lookup is not None
+        look = (event.attempts > 1 or event.redelivered) and self._lookup is not None
         while True:
             if self._state is not _State.OPEN:
                 raise SinkClosed(f"{self.name} sink is {self._state.value}; start it first")
