@@ -99,7 +99,8 @@ async def test_redis_repeat_already_in_the_stream_is_not_added_again(pool: async
         assert len(set(ids)) == len(ids) == 70
         assert sorted(json.loads(f[b"payload"])["n"] for _, f in entries) == list(range(70))
         assert sink.found_published == 60
-        assert sink._lookup is not None and sink._lookup.scans == 1, sink._lookup.summary()
+        assert sink._lookup is not None
+        assert sink._lookup.scans == 1, sink._lookup.summary()
     finally:
         await client.delete(stream)
         await client.aclose()
