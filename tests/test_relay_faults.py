@@ -328,6 +328,17 @@ async def test_redis_ordered_exactly_once_through_sigkill(dsn: str, pool: asyncp
         print(await kill_midway(pool, dsn, broker.url, TOTAL))
         entries = cast(Any, await client.xrange(stream))
         ids = [f[b"message_id"].decode() for _, f in entries]
+        twice = [i for i, n in collections.Counter(ids).items() if n > 1]
+        if twice:  # what the repeated rows looked like, to tell why
+            for sid, f in entries:
+                if f[b"message_id"].decode() in twice:
+                    print("entry", sid, f[b"event_id"], f.get(b"ordering_key"))
+            for r in await pool.fetch(
+                "SELECT id, attempts, ordering_key, created_at, available_at, finished_at, "
+                "last_error FROM outbox_events WHERE message_id::text = ANY($1)",
+                twice,
+            ):
+                print("row", dict(r))
         exactly_once(ids, await message_ids(pool), await repeats(pool))
     finally:
         await client.aclose()
