@@ -237,8 +237,9 @@ class Sink:
                 await asyncio.sleep(min(pause, deadline - now))
                 pause = min(pause * 2, 1.0)
                 self.republished += 1
-                # the lost publish may have landed: look before publishing again
-                look = self._lookup is not None and self._may_have_landed(exc)
+                # a look-up that failed is made again; a lost publish may have landed:
+                # look before publishing it again
+                look = look or (self._lookup is not None and self._may_have_landed(exc))
                 continue
             if self._outage_since is not None:
                 logger.info(
