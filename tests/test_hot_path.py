@@ -58,7 +58,7 @@ def test_claimed_row_makes_infinite_timestamps_comparable() -> None:
 
 
 def test_build_event_makes_an_ordinary_frozen_event() -> None:
-    values = (7, "t", {"a": 1}, "d", {"h": 1}, 2, 5, datetime.now(UTC), "m", "k")
+    values = (7, "t", {"a": 1}, "d", {"h": 1}, 2, 5, datetime.now(UTC), "m", "k", True)
     built = build_event(*values)
     assert type(built) is Event
     assert built == Event(*values)

@@ -10,6 +10,7 @@ crashes are in tests/test_relay_faults.py.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from typing import Any, cast
@@ -149,6 +150,38 @@ async def test_kafka_bound_after_the_partitions_last_record(
     assert sink.found_published == 0
     assert sink._reader is not None
     assert (sink._reader.from_start, sink._reader.records) == (0, 0)
+
+
+async def test_redelivered_marks_what_may_have_run(pool: asyncpg.Pool) -> None:
+    """First runs: False. ``attempts > 1``: True. An ordered row whose ``available_at``
+    a requeue moved past its creation (what lease recovery does to a run member behind
+    its head, giving its attempt back): True with ``attempts == 1``."""
+    first = await enqueue(pool, "flag")
+    ordered_first = await enqueue(pool, "flag", ordering_key="a")
+    again = await enqueue(pool, "flag")
+    behind = await enqueue(pool, "flag", ordering_key="b")
+    await pool.execute(FAILED_ONCE, [again])
+    await pool.execute(
+        "UPDATE outbox_events SET available_at = created_at + interval '10 ms' WHERE id = $1",
+        behind,
+    )
+    seen: dict[int, tuple[int, bool]] = {}
+
+    async def handler(event: aiooutbox.Event) -> None:
+        seen[event.id] = (event.attempts, event.redelivered)
+
+    consumer = aiooutbox.OutboxConsumer(pool, poll_interval=0.1, retention=None)
+    async with consumer:
+        task = asyncio.ensure_future(consumer.run({"flag": handler}))
+        await wait_done(pool, 4, timeout=30)
+        consumer.stop()
+        await task
+    assert seen == {
+        first: (1, False),
+        ordered_first: (1, False),
+        again: (2, True),
+        behind: (1, True),
+    }
 
 
 # -- bad input ---------------------------------------------------------------------------
