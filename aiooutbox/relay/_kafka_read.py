@@ -72,7 +72,11 @@ class KafkaReader:
                 request_timeout_ms=int(self._timeout * 1000),
                 **self._options,
             )
-            await consumer.start()
+            try:
+                await consumer.start()
+            except BaseException:
+                await consumer.stop()  # a half-started client: closed, made again next time
+                raise
             self._consumer = consumer
         return self._consumer
 
