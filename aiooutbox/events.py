@@ -45,6 +45,11 @@ class Event:
     message_id: str | None = None
     #: events with the same key are handled one at a time, in order; None: unordered
     ordering_key: str | None = None
+    #: an earlier attempt of this event may have run: ``attempts > 1``, or an ordered
+    #: event taken back, without its attempt, from a consumer that lost it while it
+    #: waited behind its key's head (true as well for an ordered event enqueued with a
+    #: delay: the row cannot tell the two apart). False: this is the first run.
+    redelivered: bool = False
 
     @property
     def is_last_attempt(self) -> bool:

@@ -93,7 +93,7 @@ def test_the_watermark_skips_rows_at_infinity_and_the_dawn_of_time() -> None:
 
 
 def test_build_event_makes_an_ordinary_frozen_event() -> None:
-    values = (7, "t", {"a": 1}, "d", {"h": 1}, 2, 5, datetime.now(UTC), "m", "k")
+    values = (7, "t", {"a": 1}, "d", {"h": 1}, 2, 5, datetime.now(UTC), "m", "k", True)
     built = build_event(*values)
     assert type(built) is Event
     assert built == Event(*values)

@@ -4,9 +4,13 @@ The record key is the event's ``ordering_key`` (else ``default_key``), so all ev
 one aggregate land in one partition, in the order the consumer published them (one at a
 time per key): downstream consumers see per-aggregate order, as with Debezium's outbox
 router. The event's ``message_id`` travels in the ``outbox-message-id`` header; Kafka
-does not dedupe across producer sessions, so a repeat after a crash is stored twice and
-consumers dedupe on that header. Idempotence (on by default) only removes duplicates
-from the producer's own retries within one session.
+does not dedupe across producer sessions, so a repeat (an event whose earlier attempt
+may have been stored: its relay died, or an attempt failed) is looked up first: the
+partition its key goes to (every partition, unkeyed) is read from the offset of a time
+before its first attempt (its ``created_at`` less ``clock_skew``, by
+``offsets_for_times``) to the end, matching that header; found, it is not produced
+again (`relay._lookup`, `relay._kafka_read`). First attempts never look. Idempotence
+(on by default) removes duplicates from the producer's own retries within one session.
 """
 
 from __future__ import annotations
@@ -14,11 +18,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from datetime import timedelta
 from typing import Any
 
 from ..events import Event
+from ._kafka_read import KafkaReader
+from ._lookup import Lookup, check_skew
 from ._sink import BrokerUnavailable, Message, Sink, require
 
 __all__ = ["KafkaSink", "topic_problem"]
@@ -71,6 +77,11 @@ class KafkaSink(Sink):
     ``max_request_size`` (1 MiB by default) or the broker's ``message.max.bytes``, and
     the broker's other answers for this record alone (invalid topic, invalid record).
     Kafka has no wildcards in a produce: any valid name is literal.
+
+    ``read_back=True`` (the default) looks a repeated event up in its partition before
+    producing it again (see the module); ``clock_skew`` (seconds) is how far the record
+    timestamps (the relay's clock, or the broker's with LogAppendTime) may run behind
+    the database's.
     """
 
     name = "kafka"
@@ -90,6 +101,8 @@ class KafkaSink(Sink):
         format: str = "outbox",
         cloudevents_source: str | None = None,
         producer_options: dict[str, Any] | None = None,
+        read_back: bool = True,
+        clock_skew: float | timedelta = 60.0,
     ) -> None:
         super().__init__(
             destination=destination,
@@ -113,8 +126,17 @@ class KafkaSink(Sink):
         self.bootstrap_servers = bootstrap_servers
         self.default_key = default_key
         self.enable_idempotence = enable_idempotence
+        if not isinstance(read_back, bool):
+            raise TypeError(f"read_back must be a bool, not {read_back!r}")
+        self.clock_skew = check_skew(clock_skew)
         self._options = dict(producer_options or {})
         self._producer: Any = None
+        self._reader: KafkaReader | None = None
+        if read_back:
+            self._reader = KafkaReader(
+                self._aiokafka, errors, bootstrap_servers, self._options, self.publish_timeout
+            )
+            self._lookup = Lookup(self._reader.read)
 
     def describe(self) -> str:
         servers = self.bootstrap_servers
@@ -154,8 +176,26 @@ class KafkaSink(Sink):
             sender_log.removeFilter(quiet)
 
     async def _close(self) -> None:
-        if self._producer is not None:
-            await self._producer.stop()
+        try:
+            if self._reader is not None:
+                await self._reader.close()
+        finally:
+            if self._producer is not None:
+                await self._producer.stop()
+
+    async def _published(self, message: Message) -> bool:
+        assert self._lookup is not None
+        topic = message.destination
+        key = self._key(message)
+        partitions = sorted(await self._producer.partitions_for(topic))
+        places: list[Hashable]
+        if key is None:
+            places = [(topic, p) for p in partitions]
+        else:  # the partition the producer sends this key to
+            places = [(topic, self._producer._partition(topic, None, None, None, key, None))]
+        created = message.event.created_at
+        since = int(created.timestamp() * 1000 - self.clock_skew * 1000) if created else 0
+        return await self._lookup.contains(places, message.message_id, max(since, 0))
 
     def _key(self, message: Message) -> bytes | None:
         key = message.key

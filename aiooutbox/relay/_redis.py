@@ -3,17 +3,22 @@
 Fields: ``message_id`` (the event's UUID), ``payload`` (JSON), ``topic``, ``event_id``,
 ``headers`` (the event's headers as a JSON object, their values as the producer gave
 them: ``{"x-num": 0}`` stays a number), and ``dedupe_key`` and ``ordering_key`` when
-set. Redis does not dedupe: a repeat after a crash is a second entry, and stream
-readers dedupe on ``message_id``. ``maxlen`` trims approximately (``MAXLEN ~``), so old
+set. Redis does not dedupe, so a repeat (an event whose earlier attempt may have been
+added: its relay died, or an attempt failed) is looked up first, by ``XRANGE`` from the
+stream id of a time before its first attempt (its ``created_at`` less
+``clock_skew``) to the end, matching ``message_id``; found, it is not added again
+(`relay._lookup`). First attempts never look. ``maxlen`` trims approximately (``MAXLEN ~``), so old
 entries go in whole macro-nodes, cheaply.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from datetime import timedelta
 from typing import Any
 
 from .._values.limits import check_count
+from ._lookup import Lookup, Seen, check_skew
 from ._message import Message, payload_body
 from ._sink import Sink, require
 
@@ -32,6 +37,8 @@ _BUSY = ("OOM", "READONLY", "BUSY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "LO
 _BUSY_CLASSES = frozenset(
     {"OutOfMemoryError", "ReadOnlyError", "TryAgainError", "ClusterDownError", "MasterDownError"}
 )
+#: entries per XRANGE of a look-up
+_PAGE = 2000
 
 
 class RedisSink(Sink):
@@ -45,6 +52,10 @@ class RedisSink(Sink):
     Refused at once (`Dead`): a stream name whose key holds another type (WRONGTYPE) and
     a payload over the server's ``proto-max-bulk-len``. Stream names are literal keys:
     no wildcards.
+
+    ``read_back=True`` (the default) looks a repeated event up in its stream before
+    adding it again (see the module); ``clock_skew`` (seconds) is how far the Redis
+    server's clock may run behind the database's.
     """
 
     name = "redis"
@@ -61,6 +72,8 @@ class RedisSink(Sink):
         max_in_flight: int | None = None,
         format: str = "outbox",
         cloudevents_source: str | None = None,
+        read_back: bool = True,
+        clock_skew: float | timedelta = 60.0,
     ) -> None:
         super().__init__(
             destination=destination,
@@ -77,9 +90,14 @@ class RedisSink(Sink):
             check_count("maxlen", maxlen, 1, 2**63 - 1)
         self._redis = require("redis.asyncio", "redis")
         self._exceptions = require("redis.exceptions", "redis")
+        if not isinstance(read_back, bool):
+            raise TypeError(f"read_back must be a bool, not {read_back!r}")
+        self.clock_skew = check_skew(clock_skew)
         self.url = url
         self.maxlen = maxlen
         self._client: Any = None
+        if read_back:
+            self._lookup = Lookup(self._read)
 
     def describe(self) -> str:
         return self.url.split("@")[-1] if "@" in self.url else self.url
@@ -117,6 +135,37 @@ class RedisSink(Sink):
             maxlen=self.maxlen,
             approximate=True,
         )
+
+    async def _published(self, message: Message) -> bool:
+        assert self._lookup is not None
+        created = message.event.created_at
+        since = int(created.timestamp() * 1000 - self.clock_skew * 1000) if created else 0
+        return await self._lookup.contains([message.destination], message.message_id, max(since, 0))
+
+    async def _read(self, stream: Hashable, seen: Seen) -> None:
+        """Add the ``message_id`` of every entry of ``stream`` from where ``seen`` stopped
+        (or its bound) to the end."""
+        if seen.position is None:
+            start = f"{seen.since_ms}-0"
+        else:
+            ms, seq = seen.position
+            start = f"{ms}-{seq + 1}"  # the entry after the last one read (Redis 5 too)
+        while True:
+            entries = await self._client.xrange(stream, min=start, max="+", count=_PAGE)
+            for _, fields in entries:
+                found = fields.get(b"message_id")
+                if found is not None:
+                    seen.ids.add(found.decode("utf-8", "replace"))
+            if entries:
+                ms, _, seq = entries[-1][0].decode().partition("-")
+                seen.position = (int(ms), int(seq))
+                start = f"{ms}-{int(seq) + 1}"
+            if len(entries) < _PAGE:
+                return
+
+    def _may_have_landed(self, exc: BaseException) -> bool:
+        # the client's pool had no free connection: the command was never sent
+        return type(exc).__name__ != "MaxConnectionsError"
 
     def _refusal(self, exc: BaseException, message: Message) -> str | None:
         if type(exc) is not self._exceptions.ResponseError:  # subclasses: OOM, NOPERM, ...

@@ -127,6 +127,22 @@ def add_relay_command(commands: Any, prog: str) -> None:
         action="store_false",
         help="kafka:// only: no idempotent producer (for brokers without it, e.g. Tansu)",
     )
+    group.add_argument(
+        "--no-read-back",
+        dest="read_back",
+        action="store_false",
+        help="kafka:// and redis:// only: publish a repeated event again without first "
+        "looking for it in the broker (a relay crash then leaves duplicates)",
+    )
+    group.add_argument(
+        "--clock-skew",
+        type=DURATION,
+        metavar="DURATION",
+        default=env_default("AIOOUTBOX_RELAY_CLOCK_SKEW", DURATION, None),
+        help="kafka:// and redis:// only: how far the broker's timestamps may run behind "
+        "the database's clock; a repeated event is looked up from its creation less "
+        "this (env AIOOUTBOX_RELAY_CLOCK_SKEW; default 60s)",
+    )
     add_consumer_options(relay, topics_help="default: every topic in the outbox")
     add_listen_options(relay)
     add_metrics_options(relay)
@@ -157,6 +173,13 @@ def _sink(args: argparse.Namespace, found: list[Target]) -> Any:
         if scheme != "kafka":
             raise UsageError("--no-idempotence applies only to kafka:// URLs")
         options["enable_idempotence"] = False
+    if not args.read_back or args.clock_skew is not None:
+        if scheme not in ("kafka", "redis", "rediss"):
+            flag = "--no-read-back" if not args.read_back else "--clock-skew"
+            raise UsageError(f"{flag} applies only to kafka:// and redis:// URLs")
+        options["read_back"] = args.read_back
+        if args.clock_skew is not None:
+            options["clock_skew"] = args.clock_skew
     try:
         sink = sink_for_url(
             args.to, destination=args.destination, exchange=args.exchange, **options
@@ -291,12 +314,15 @@ async def _relay(
             await sink.close()
     s = consumer.stats
     logger.info(
-        "stopped: %d published, %d retried, %d dead, %d released",
+        "stopped: %d published, %d retried, %d dead, %d released, %d found already published",
         s.done,
         s.retried,
         s.dead,
         s.released,
+        sink.found_published,
     )
+    if sink._lookup is not None and sink._lookup.lookups:
+        logger.info("read back: %s", sink._lookup.summary())
     return 0
 
 

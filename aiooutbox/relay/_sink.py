@@ -31,6 +31,7 @@ from .._values.text import describe_exception, exception_message
 from ..errors import Dead, InvalidArgument, OutboxError
 from ..events import Event
 from ._cloudevents import CloudEvents, check_format, check_source
+from ._lookup import Lookup
 from ._message import (
     Message,
     check_template,
@@ -121,6 +122,10 @@ class Sink:
         self._outage_since: float | None = None
         #: publishes repeated after a lost connection (each may have reached the broker)
         self.republished = 0
+        #: the broker read back before a repeat (sinks that can: Kafka, Redis Streams)
+        self._lookup: Lookup | None = None
+        #: repeats not published again: the broker already held them (`_lookup`)
+        self.found_published = 0
 
     # -- lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
@@ -192,10 +197,23 @@ class Sink:
         self._check(message)
         deadline: float | None = None
         pause = 0.05
+        # not the event's first attempt: an earlier one may have reached the broker
+        look = (event.attempts > 1 or event.redelivered) and self._lookup is not None
         while True:
             if self._state is not _State.OPEN:
                 raise SinkClosed(f"{self.name} sink is {self._state.value}; start it first")
             try:
+                if look:
+                    if await self._published(message):
+                        self.found_published += 1
+                        logger.debug(
+                            "%s sink: message %s is already in %s; not publishing it again",
+                            self.name,
+                            message.message_id,
+                            shown(message.destination),
+                        )
+                        return
+                    look = False
                 if self._window is None:
                     await self._send(message)
                 else:
@@ -219,6 +237,9 @@ class Sink:
                 await asyncio.sleep(min(pause, deadline - now))
                 pause = min(pause * 2, 1.0)
                 self.republished += 1
+                # a look-up that failed is made again; a lost publish may have landed:
+                # look before publishing it again
+                look = look or (self._lookup is not None and self._may_have_landed(exc))
                 continue
             if self._outage_since is not None:
                 logger.info(
@@ -271,6 +292,14 @@ class Sink:
         raise NotImplementedError
 
     async def _send(self, message: Message) -> None:
+        raise NotImplementedError
+
+    def _may_have_landed(self, exc: BaseException) -> bool:
+        """False when the outage ``exc`` stopped the publish before it was sent."""
+        return True
+
+    async def _published(self, message: Message) -> bool:
+        """True when the broker already holds ``message`` (sinks with a `_lookup`)."""
         raise NotImplementedError
 
     def _is_outage(self, exc: BaseException) -> bool:

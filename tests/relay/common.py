@@ -91,6 +91,7 @@ class RelayProcess:
     def __init__(self, dsn: str | Sequence[str], to: str, *args: str) -> None:
         """``dsn``: one, or several (each passed as ``--dsn``; none with ``--dsn-file``)."""
         self._stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in close()
+        self.said = ""  # what it logged, once stopped
         env = {k: v for k, v in os.environ.items() if not k.startswith("AIOOUTBOX_")}
         dsns = [dsn] if isinstance(dsn, str) else list(dsn)
         self.proc = subprocess.Popen(
@@ -123,26 +124,35 @@ class RelayProcess:
 
     def stderr(self, tail: int | None = 4000) -> str:
         """What the relay logged: the last ``tail`` characters (``None``: all)."""
-        self._stderr.seek(0)
-        text: str = self._stderr.read()
+        if self._stderr.closed:
+            text: str = self.said
+        else:
+            self._stderr.seek(0)
+            text = self._stderr.read()
         return text if tail is None else text[-tail:]
 
     async def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         rc = await asyncio.to_thread(self.proc.wait, 60)
+        self.said = self.stderr(None)
         self._stderr.close()
         return rc
 
 
-async def kill_midway(pool: asyncpg.Pool, dsn: str, to: str, total: int, *args: str) -> None:
+async def kill_midway(pool: asyncpg.Pool, dsn: str, to: str, total: int, *args: str) -> str:
     """Relay ``total`` events in a child, SIGKILL it after about a third, relay the rest
-    in a second child; every row must end ``done``."""
+    in a second child; every row must end ``done``. Returns the second child's last log
+    lines (what it says when it stops)."""
     first = RelayProcess(dsn, to, "--concurrency", "256", *args)
     try:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 60
-        while (await counts(pool)).get("done", 0) < total // 3:
+        # killed holding rows (it nearly always does; not between a drained batch and
+        # the next claim), so that the second relay has events to repeat
+        while (found := await counts(pool)).get("done", 0) < total // 3 or not found.get(
+            "processing"
+        ):
             assert first.proc.poll() is None, first.stderr()
             assert loop.time() < deadline, first.stderr()
             await asyncio.sleep(0.02)
@@ -161,6 +171,8 @@ async def kill_midway(pool: asyncpg.Pool, dsn: str, to: str, total: int, *args: 
     finally:
         assert await second.stop() == 0, second.stderr()
     assert await counts(pool) == {"done": total}
+    said = second.said.splitlines()
+    return "\n".join([*[s for s in said if "WARNING" in s][:5], *said[-2:]])
 
 
 # -- reading back -------------------------------------------------------------------------
