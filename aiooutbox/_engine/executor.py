@@ -294,7 +294,7 @@ class Executor:
             # so attempts alone miss it; it moves the row's available_at past its
             # creation, which an ordered event's promotion never does
             row.attempts > 1
-            or (row.ordering_key is not None and row.available_at > row.created_at),
+            or (row.ordering_key is not None and row.available_at > row.created_at.timestamp()),
         )
 
     def release(self, row: ClaimedRow) -> None:
