@@ -139,9 +139,11 @@ class Maintenance:
         `_PURGE_ROUND` seconds; a round that stopped with rows still due waits three times
         its own duration before the next instead of a minute. Purging thus keeps up with
         any inflow of finished rows up to about a quarter of what one connection deletes
-        (~13,000 rows/s per consumer process where a batch takes 18 ms, measured at 10M
-        rows), and takes no more than a quarter of one connection's time, so claims are
-        never starved.
+        (~13,000 rows/s where a batch takes 18 ms, measured at 10M rows), and takes no
+        more than a quarter of one connection's time, so claims are never starved.
+        Consumers purging at once pick the same oldest rows: the one that comes second
+        finds its batch gone (a partial batch) and waits its minute, so the ceiling is
+        per outbox rather than per consumer.
         """
         if self._retention is None:
             return
