@@ -12,8 +12,10 @@ applications and scripts can call them on an asyncpg connection or pool::
     await admin.pause_topic(pool, "payments.charge")
     await admin.limit_topic(pool, "payments.charge", max_running=5, rate="50/s")
 
-`stats` counts every row (a sequential scan): cheap for a queue that purges finished
-rows, slower on a table that keeps millions. Nothing here runs inside a consumer.
+`stats` counts the unfinished and dead rows exactly, each status through its partial
+index, and the ``done`` rows exactly up to 50,000; past that it estimates them
+(`OutboxStats.done_estimated`), so it stays fast beside millions of rows of history.
+Nothing here runs inside a consumer.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import contextlib
 import logging
 import math
 import re
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Collection
 from datetime import timedelta
@@ -29,6 +32,7 @@ from typing import Any
 
 import asyncpg
 
+from ._admin.counts import BOUND, estimate_rows, sample_percent
 from ._admin.flow import (
     KEEP,
     flow_history,
@@ -172,11 +176,21 @@ async def stats(
     schema: str = DEFAULT_SCHEMA,
     table: str = DEFAULT_TABLE,
 ) -> OutboxStats:
-    """Count rows by topic and status; measure lag; list the rows each consumer holds."""
+    """Count rows by topic and status; measure lag; list the rows each consumer holds.
+
+    Every status but ``done`` is counted exactly (an index reaches each); ``done`` is
+    exact below `BOUND` rows (50,000), else estimated: the planner's count of the
+    table's rows less the exact others, shared among topics as a random sample of the
+    table's pages shares it (``done_estimated`` is then true)."""
     q = queries(schema, table)
     a = admin_queries(schema, table)
     async with _connection(db) as conn:
-        counts = await conn.fetch(a.stats_by_topic)
+        counts = list(await conn.fetch(a.unfinished_by_topic))
+        done = {r[0]: int(r[1]) for r in await conn.fetch(a.done_by_topic_bounded, BOUND)}
+        estimated = sum(done.values()) >= BOUND
+        if estimated:
+            done = await _estimated_done(conn, a, sum(int(r[2]) for r in counts))
+        counts += [(t, "done", n) for t, n in done.items()]
         lags = {r[0]: r[1] for r in await conn.fetch(a.oldest_claimable)}
         workers = await conn.fetch(a.in_flight_by_worker)
         unconsumed = await unconsumed_topics(conn, schema=schema, table=table)
@@ -197,7 +211,20 @@ async def stats(
         mvcc=mvcc,
         blocked_keys=blocked,
         controls=controls,
+        done_estimated=estimated,
     )
+
+
+async def _estimated_done(conn: Any, a: AdminQueries, unfinished: int) -> dict[str, int]:
+    """``done`` rows by topic, estimated: the planner's rows less the ``unfinished``
+    (at least `BOUND`: that many were found), shared as a sample of pages shares them."""
+    total = max(round(await estimate_rows(conn, a.explain_rows)) - unfinished, BOUND)
+    percent = sample_percent(await conn.fetchval(a.table_pages, a.qualified))
+    # one seed for ten minutes: the same pages, and numbers that do not jitter
+    seed = float(int(time.time() // 600))
+    sample = {r[0]: int(r[1]) for r in await conn.fetch(a.done_sample_by_topic, percent, seed)}
+    seen = sum(sample.values())
+    return {t: round(total * n / seen) for t, n in sample.items()} if seen else {}
 
 
 async def unconsumed_topics(

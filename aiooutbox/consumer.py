@@ -95,8 +95,13 @@ class OutboxConsumer:
     - ``retry=RetryPolicy()``: backoff after an exception (1 s doubling, capped at 1 h,
       full jitter); a per-topic `Handler(retry=...)` overrides it.
     - ``handler_timeout=None``: no limit; a timeout counts as a failure.
-    - ``retention=7 days``: ``done`` rows older than this are purged in batches of 1000;
-      ``None`` keeps them forever (the table then grows without bound).
+    - ``retention=7 days``: ``done`` rows older than this are purged in batches of 1000,
+      each its own short transaction, at start and then every minute; while batches
+      come back full, rounds of back-to-back batches (0.25 s at most each) follow one
+      another after nine times their duration, so the purge keeps up with up to about
+      a tenth of what one connection deletes (5,000-11,000 rows/s per outbox, measured
+      beside 10M rows) while taking at most a tenth of one connection's time. ``None``
+      keeps them forever (the table then grows without bound).
     - ``listen=True``: wake on LISTEN/NOTIFY through a dedicated connection; set
       ``False`` behind PgBouncer in transaction mode (poll only), or pass ``listen_dsn``
       to listen directly on the server.

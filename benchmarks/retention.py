@@ -2,17 +2,21 @@
 retention as configured by default, against the same drain on an empty table.
 
 The history rows finished 8 days ago, so the default retention (7 days) finds them all
-due: every consumer purges at its start and then every 60 s, at most 50 batches of 1,000
-rows per round (aiooutbox/_engine/maintenance.py). Drains at the defaults
-(``OutboxConsumer(pool)``): on the empty table; beside the history with retention off
-(``retention=None``: the history's own cost); beside it with the default retention, which
-purges while the drain runs. Rounds alternate; between drains the table is reset as
-autovacuum would leave it (``VACUUM (ANALYZE)``; autovacuum is off on our server).
+due: every consumer purges at its start, in rounds of back-to-back batches of 1,000
+rows while they come back full (aiooutbox/_engine/maintenance.py). Drains at the
+defaults (``OutboxConsumer(pool)``): on the empty table; beside the history with
+retention off (``retention=None``: the history's own cost); beside it with the default
+retention, which purges while the drain runs. Rounds alternate; between drains the
+table is reset as autovacuum would leave it (``VACUUM (ANALYZE)``; autovacuum is off on
+our server).
 
 Also: table and index sizes after the load, after every drain and at the end; the time
-of ``aiooutbox.admin.stats``; and the purge itself on the full history, before the
-drains, timed from this process: batches of the consumer's own ``DELETE`` statement
-(rows/s, and the default schedule's ceiling of 50,000 rows a minute per consumer).
+of ``aiooutbox.admin.stats`` beside the history and on the empty table, and of the full
+count by topic and status it replaced; the purge statement itself on the full history,
+before the drains, timed from this process (batches of the consumer's own ``DELETE``,
+rows/s); and, after the drains, rounds of the consumer's own retention code
+(`Maintenance.purge_round`) with the pause its schedule puts after each: the rate one
+consumer purges at while rows are due (its ceiling).
 """
 
 from __future__ import annotations
@@ -20,12 +24,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import asyncpg
+
+from aiooutbox._engine.leases import Leases
+from aiooutbox._engine.maintenance import _PURGE_BATCH, _PURGE_DUTY_WAIT, Maintenance
+
 from . import aiooutbox_runner
 from .common import median, ratio
 
-_PURGE_BATCH = 1000
-_PURGE_BATCHES_PER_ROUND = 50
-_PURGE_EVERY = 60.0
+_RETENTION = 7 * 86400.0
 
 
 async def sizes(system: Any) -> dict[str, int]:
@@ -43,19 +50,69 @@ async def sizes(system: Any) -> dict[str, int]:
     return dict(row)
 
 
-async def stats_ms(system: Any, repeat: int) -> float:
+async def stats_ms(system: Any, repeat: int, *, full_count: bool = False) -> float:
+    """The median time of ``aiooutbox.admin.stats`` (``full_count``: of the full count
+    by topic and status that stats ran before it estimated ``done``)."""
     from aiooutbox.admin import stats
 
+    sql = f"SELECT topic, status, count(*) FROM {system.q.qualified} GROUP BY topic, status"
     conn = await system.connect()
     try:
         times = []
         for _ in range(repeat):
             t = time.perf_counter()
-            await stats(conn)
+            if full_count:
+                await conn.fetch(sql)
+            else:
+                await stats(conn)
             times.append((time.perf_counter() - t) * 1000)
     finally:
         await conn.close()
     return round(median(times), 1)
+
+
+async def done_estimated(system: Any) -> bool:
+    from aiooutbox.admin import stats
+
+    conn = await system.connect()
+    try:
+        return (await stats(conn)).done_estimated
+    finally:
+        await conn.close()
+
+
+async def retention_rounds(system: Any, rounds: int) -> dict[str, Any]:
+    """``rounds`` of the consumer's retention round on the history; the rate with the
+    pause the schedule puts after a round that left rows due."""
+    pool = await asyncpg.create_pool(system.dsn, min_size=1, max_size=2)
+    try:
+        m = Maintenance(
+            pool,
+            system.q,
+            "bench-retention",
+            leases=Leases(),
+            on_recovered=lambda n: None,
+            lease_timeout=30.0,
+            retention=_RETENTION,
+            statement_timeout=60.0,
+            orphan_sweep_interval=60.0,
+        )
+        done = []
+        for _ in range(rounds):
+            deleted, behind, took = await m.purge_round(_RETENTION)
+            done.append({"rows": deleted, "behind": behind, "seconds": round(took, 3)})
+            if not behind:
+                break
+    finally:
+        await pool.close()
+    rows = sum(r["rows"] for r in done)
+    # a round that left rows due is followed by a pause of _PURGE_DUTY_WAIT times it
+    spent = sum(r["seconds"] * (1 + (_PURGE_DUTY_WAIT if r["behind"] else 0)) for r in done)
+    return {
+        "rounds": done,
+        "rows": rows,
+        "scheduled_rows_per_s": round(rows / spent, 1) if spent else None,
+    }
 
 
 async def purge_speed(system: Any, batches: int) -> dict[str, Any]:
@@ -65,7 +122,7 @@ async def purge_speed(system: Any, batches: int) -> dict[str, Any]:
         deleted, times = 0, []
         for _ in range(batches):
             t = time.perf_counter()
-            status = await conn.execute(system.q.purge_done, 7 * 86400.0, _PURGE_BATCH)
+            status = await conn.execute(system.q.purge_done, _RETENTION, _PURGE_BATCH)
             times.append(time.perf_counter() - t)
             deleted += int(status.rsplit(" ", 1)[-1])
     finally:
@@ -78,9 +135,10 @@ async def purge_speed(system: Any, batches: int) -> dict[str, Any]:
         "rows_per_s": round(deleted / total, 1) if total else None,
         "batch_ms_median": round(median(times) * 1000, 2),
         "batch_ms_max": round(max(times) * 1000, 2),
-        "default_ceiling_rows_per_s": round(
-            _PURGE_BATCH * _PURGE_BATCHES_PER_ROUND / _PURGE_EVERY, 1
-        ),
+        # the schedule's ceiling at this statement speed: a quarter of the time
+        "schedule_ceiling_rows_per_s": round(deleted / total / (1 + _PURGE_DUTY_WAIT), 1)
+        if total
+        else None,
     }
 
 
@@ -108,7 +166,9 @@ async def run(bench: Any) -> None:
     out["stats_ms"] = {
         "history": await stats_ms(hist, config.retention_stats_repeat),
         "empty": await stats_ms(empty, config.retention_stats_repeat),
+        "history_full_count": await stats_ms(hist, config.retention_stats_repeat, full_count=True),
     }
+    out["stats_done_estimated"] = await done_estimated(hist)
     bench.log(f"  stats: {out['stats_ms']} ms")
     # the purge at full scale, before the drains: the consumer's DELETE, batch after batch
     out["purge"] = await purge_speed(hist, config.retention_purge_batches)
@@ -147,6 +207,8 @@ async def run(bench: Any) -> None:
         ),
     }
     bench.log(f"  drain/s {rates}; {out['ratios']}")
+    out["rounds"] = await retention_rounds(hist, config.retention_purge_rounds)
+    bench.log(f"  retention rounds: {out['rounds']}")
     await hist.reset()
     out["sizes"]["end"] = await sizes(hist)
     bench.results["retention"] = out
@@ -154,6 +216,17 @@ async def run(bench: Any) -> None:
 
 def _mb(value: int) -> str:
     return f"{value / 2**20:,.0f}"
+
+
+def _rounds_line(section: dict[str, Any]) -> list[str]:
+    if "rounds" not in section:  # an earlier run's results
+        return []
+    r = section["rounds"]
+    return [
+        f"Retention rounds after the drains (the consumer's own code): {r['rows']:,} rows in"
+        f" {len(r['rounds'])} round(s), {r['scheduled_rows_per_s'] or 0:,.0f} rows/s with"
+        " the schedule's pauses."
+    ]
 
 
 def render(section: dict[str, Any]) -> list[str]:
@@ -173,12 +246,15 @@ def render(section: dict[str, Any]) -> list[str]:
         f" {rates['history_retention_default']:,.0f} |"
         f" {ratios['history_retention_default_vs_empty']:.3f} |",
         "",
-        f"`stats`: {section['stats_ms']['history']} ms beside the history,"
-        f" {section['stats_ms']['empty']} ms on the empty table.",
+        f"`stats`: {section['stats_ms']['history']} ms beside the history"
+        f"{' (done estimated)' if section.get('stats_done_estimated') else ''},"
+        f" {section['stats_ms']['empty']} ms on the empty table; the full count by topic and"
+        f" status it no longer runs: {section['stats_ms'].get('history_full_count', '-')} ms.",
         f"Purge: {purge['rows']:,} rows in {purge['batches']} batches, {purge['seconds']} s"
         f" = {purge['rows_per_s']:,.0f} rows/s (batch median {purge['batch_ms_median']} ms,"
-        f" max {purge['batch_ms_max']} ms); the default schedule's ceiling"
-        f" {purge['default_ceiling_rows_per_s']:,.0f} rows/s per consumer.",
+        f" max {purge['batch_ms_max']} ms); the schedule's ceiling at that speed"
+        f" {purge.get('schedule_ceiling_rows_per_s') or 0:,.0f} rows/s.",
+        *_rounds_line(section),
         "",
         "| when | heap MB | indexes MB | total MB | rows |",
         "|---|---:|---:|---:|---:|",

@@ -165,6 +165,7 @@ class Config:
     retention_rounds: int = 3
     retention_stats_repeat: int = 3
     retention_purge_batches: int = 50
+    retention_purge_rounds: int = 5
     light_rates: list[float] = field(default_factory=lambda: [50.0, 5.0])
     light_seconds: float = 20.0
     sample_interval: float = 0.5

@@ -77,8 +77,10 @@ async def test_stats_counts_lag_and_workers(pool: asyncpg.Pool) -> None:
         "UPDATE outbox_events SET available_at = now() - interval '1 minute' WHERE topic = 'a'"
     )
     await pool.execute(
+        # held as a claim holds it: with a lease (stats counts processing rows by it)
         "UPDATE outbox_events SET status = 'processing', locked_by = 'w1',"
-        " locked_at = now() - interval '5 seconds' WHERE id = (SELECT min(id) FROM outbox_events)"
+        " locked_at = now() - interval '5 seconds', lease_expires_at = now() + interval '25 s'"
+        " WHERE id = (SELECT min(id) FROM outbox_events)"
     )
     report = await admin.stats(pool)
     assert report.outbox == "public.outbox_events"

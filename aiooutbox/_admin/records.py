@@ -201,6 +201,8 @@ class OutboxStats:
     blocked_keys: list[BlockedKey] = field(default_factory=list)
     # topics paused or limited (the topic "" is the pause of every topic)
     controls: list[TopicControl] = field(default_factory=list)
+    # the ``done`` counts are estimates (past 50,000 rows); every other count is exact
+    done_estimated: bool = False
 
     @property
     def paused(self) -> list[str]:
@@ -229,6 +231,7 @@ class OutboxStats:
         return {
             "outbox": self.outbox,
             "totals": self.totals,
+            "done_estimated": self.done_estimated,
             "lag_seconds": self.lag,
             "dead": self.dead,
             "topics": {t.topic: {**t.counts, "lag_seconds": t.lag} for t in self.topics},

@@ -178,6 +178,7 @@ class Engine:
             )
             services.start_soon(maintenance.heartbeat_loop)
             services.start_soon(maintenance.recovery_loop)
+            services.start_soon(maintenance.retention_loop)
             services.start_soon(maintenance.sweep_loop)
             if o.watchdog_interval is not None:
                 self.watchdog = Watchdog(self._pool, o)

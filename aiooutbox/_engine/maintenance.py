@@ -4,8 +4,9 @@ the orphan sweep.
 Heartbeats extend the leases of this consumer's long-running handlers. Recovery returns
 rows whose lease expired (a crashed or partitioned worker) to ``retry``, or to ``dead``
 once their attempts are spent; it is safe with many consumers (``SKIP LOCKED``) and needs
-no extra process. Retention purges old ``done`` rows in bounded batches. The orphan
-sweep promotes the next event of ordered keys left without a head, whatever left them so.
+no extra process. Retention purges old ``done`` rows in bounded batches, as fast as
+they come due within a share of one connection's time. The orphan sweep promotes the
+next event of ordered keys left without a head, whatever left them so.
 """
 
 from __future__ import annotations
@@ -30,7 +31,15 @@ logger = logging.getLogger("aiooutbox.maintenance")
 
 _RECOVER_BATCH = 1000
 _PURGE_BATCH = 1000
-_PURGE_BATCHES_PER_ROUND = 50  # at most 50k rows per round, so one round stays short
+# a round of purging runs full batches back to back for at most this long (each batch
+# its own statement and transaction, so no lock is held past one batch) ...
+_PURGE_ROUND = 0.25
+# ... then, if the last batch came back full (more rows are due), waits this many times
+# the round's duration before the next: a tenth of one connection's time at most (a
+# quarter measured 0.59x the empty-table drain beside 10M due rows; the purge's CPU and
+# WAL are taken from the claims' on a small server)
+_PURGE_DUTY_WAIT = 9.0
+# a round that caught up (a batch came back partial) waits this long
 _PURGE_EVERY = 60.0
 # the sweep's share of the time: it waits at least this many times its last duration
 _SWEEP_DUTY = 50
@@ -112,21 +121,68 @@ class Maintenance:
                 )
 
     async def recovery_loop(self) -> None:
-        """Recover expired leases; purge old ``done`` rows and stale idle adverts."""
+        """Recover expired leases."""
         interval = min(self._lease_timeout / 2, 10.0)
-        next_purge = 0.0
         while True:
             try:
                 recovered = await self._recover()
                 if recovered:
                     self._on_recovered(recovered)
-                if self._retention is not None and time.monotonic() >= next_purge:
-                    next_purge = time.monotonic() + _PURGE_EVERY
-                    await self._purge(self._retention)
             except TRANSIENT_ERRORS as exc:
                 check_permanent(exc, "recovering expired leases")
                 logger.warning("maintenance failed (%s)", exception_summary(exc))
             await anyio.sleep(interval * random.uniform(0.8, 1.2))
+
+    async def retention_loop(self) -> None:
+        """Purge ``done`` rows past the retention, and stale idle adverts: at start, then
+        every minute while it keeps up (jittered ±20%).
+
+        A round purges batches back to back while they come back full, for at most
+        `_PURGE_ROUND` seconds; a round that stopped with rows still due waits nine times
+        its own duration before the next instead of a minute. Purging thus keeps up with
+        any inflow of finished rows up to about a tenth of what one connection deletes
+        (5,000-11,000 rows/s where a batch takes 18-9 ms, measured at 10M rows), and
+        takes no more than a tenth of one connection's time, so claims are not starved.
+        Consumers purging at once pick the same oldest rows: the one that comes second
+        finds its batch gone (a partial batch) and waits its minute, so the ceiling is
+        per outbox rather than per consumer.
+        """
+        if self._retention is None:
+            return
+        while True:
+            try:
+                _, behind, took = await self.purge_round(self._retention)
+            except TRANSIENT_ERRORS as exc:
+                check_permanent(exc, "purging finished rows")
+                logger.warning("retention failed (%s)", exception_summary(exc))
+                behind, took = False, 0.0
+            wait = _PURGE_DUTY_WAIT * took if behind else _PURGE_EVERY
+            await anyio.sleep(wait * random.uniform(0.8, 1.2))
+
+    async def purge_round(self, retention: float) -> tuple[int, bool, float]:
+        """One round of retention: the rows it deleted, whether rows are still due (its
+        last batch came back full), and the seconds it took."""
+        started = time.monotonic()
+        deleted = 0
+        while True:
+            status = await bounded(
+                self._pool,
+                "execute",
+                self._q.purge_done,
+                retention,
+                _PURGE_BATCH,
+                timeout=self._timeout,
+            )
+            count = int(status.rsplit(" ", 1)[-1])
+            deleted += count
+            behind = count >= _PURGE_BATCH
+            if not behind or time.monotonic() - started >= _PURGE_ROUND:
+                break
+        await bounded(self._pool, "execute", self._q.purge_expired_idle, timeout=self._timeout)
+        took = time.monotonic() - started
+        if behind:
+            logger.debug("retention: purged %d rows in %.2fs, more are due", deleted, took)
+        return deleted, behind, took
 
     async def sweep_loop(self) -> None:
         """At start, then every ``orphan_sweep_interval`` (jittered ±20%): ordered keys
@@ -200,17 +256,3 @@ class Maintenance:
             total += len(rows)
             if len(rows) < _RECOVER_BATCH:
                 return total
-
-    async def _purge(self, retention: float) -> None:
-        for _ in range(_PURGE_BATCHES_PER_ROUND):
-            status = await bounded(
-                self._pool,
-                "execute",
-                self._q.purge_done,
-                retention,
-                _PURGE_BATCH,
-                timeout=self._timeout,
-            )
-            if int(status.rsplit(" ", 1)[-1]) < _PURGE_BATCH:
-                break
-        await bounded(self._pool, "execute", self._q.purge_expired_idle, timeout=self._timeout)

@@ -44,11 +44,53 @@ class AdminQueries:
 
     # -- operator ------------------------------------------------------------------
     @property
-    def stats_by_topic(self) -> str:
+    def unfinished_by_topic(self) -> str:
+        # topic, status, rows: the unfinished statuses and dead, each through its
+        # partial index (the claim's, the lease's: only held rows have a lease, the
+        # key's: waiting rows are ordered, the dead one), whatever the size of the history
+        t = self.qualified
         return (
-            f"SELECT topic, status::text, count(*) FROM {self.qualified}"
-            " GROUP BY topic, status ORDER BY topic, status"
+            f"SELECT topic, status::text, count(*) FROM {t}"
+            " WHERE status IN ('pending', 'retry') GROUP BY topic, status"
+            f" UNION ALL SELECT topic, 'processing', count(*) FROM {t}"
+            " WHERE lease_expires_at IS NOT NULL AND status = 'processing' GROUP BY topic"
+            f" UNION ALL SELECT topic, 'waiting', count(*) FROM {t}"
+            " WHERE ordering_key IS NOT NULL AND status = 'waiting' GROUP BY topic"
+            f" UNION ALL SELECT topic, 'dead', count(*) FROM {t}"
+            " WHERE status = 'dead' GROUP BY topic"
         )
+
+    @property
+    def done_by_topic_bounded(self) -> str:
+        # $1 bound: done rows by topic, the first $1 by the retention index (finished_at);
+        # exact when their sum is below the bound
+        return (
+            f"SELECT topic, count(*) FROM (SELECT topic FROM {self.qualified}"
+            " WHERE status = 'done' ORDER BY finished_at LIMIT $1) s GROUP BY topic"
+        )
+
+    @property
+    def done_sample_by_topic(self) -> str:
+        # $1 percent of the table's pages, $2 seed: done rows by topic in the sample
+        return (
+            f"SELECT topic, count(*) FROM {self.qualified}"
+            " TABLESAMPLE SYSTEM ($1::float4) REPEATABLE ($2::float8)"
+            " WHERE status = 'done' GROUP BY topic"
+        )
+
+    @property
+    def table_pages(self) -> str:
+        # the heap's pages now (not pg_class.relpages, which only VACUUM and ANALYZE set)
+        return (
+            "SELECT pg_catalog.pg_relation_size($1::regclass)::float8"
+            " / current_setting('block_size')::float8"
+        )
+
+    @property
+    def explain_rows(self) -> str:
+        # the planner's estimate of the table's rows: pg_class.reltuples scaled to the
+        # heap's size now
+        return f"EXPLAIN (FORMAT JSON) SELECT 1 FROM {self.qualified}"
 
     @property
     def oldest_claimable(self) -> str:
@@ -60,12 +102,13 @@ class AdminQueries:
 
     @property
     def in_flight_by_worker(self) -> str:
-        # worker, rows held, seconds since its oldest claim
+        # worker, rows held, seconds since its oldest claim (through the lease index)
         return (
             "SELECT locked_by, count(*),"
             " extract(epoch FROM (now() - min(locked_at)))::float8"
             f" FROM {self.qualified}"
-            " WHERE status = 'processing' GROUP BY locked_by ORDER BY locked_by"
+            " WHERE lease_expires_at IS NOT NULL AND status = 'processing'"
+            " GROUP BY locked_by ORDER BY locked_by"
         )
 
     @property
@@ -163,7 +206,8 @@ class AdminQueries:
             " WHERE w.lag >= $2::float8"
             " AND NOT (w.topic = ANY (coalesce($1::text[], '{}')))"
             f" AND NOT EXISTS (SELECT 1 FROM {self.qualified} AS p"
-            "  WHERE p.status = 'processing' AND p.topic = w.topic)"
+            "  WHERE p.lease_expires_at IS NOT NULL AND p.status = 'processing'"
+            "  AND p.topic = w.topic)"
             f" AND NOT EXISTS (SELECT 1 FROM {self.idle_table} AS i"
             "  WHERE i.expires_at > now() AND w.topic = ANY (i.topics))"
             " ORDER BY w.topic"

@@ -36,12 +36,10 @@ def duration(seconds: float) -> str:
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """Columns padded to fit; numbers right-aligned, text left-aligned."""
+    """Columns padded to fit; numbers (estimates ``≈N`` too) right-aligned, text
+    left-aligned."""
     cells = [[str(c) for c in row] for row in rows]
-    numeric = [
-        all(isinstance(row[i], (int, float)) for row in rows) if rows else False
-        for i in range(len(headers))
-    ]
+    numeric = [all(_number(row[i]) for row in rows) if rows else False for i in range(len(headers))]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
 
     def line(values: Sequence[str]) -> str:
@@ -54,9 +52,20 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return "\n".join([line(list(headers)), *(line(r) for r in cells)])
 
 
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) or (isinstance(value, str) and value[:1] == "≈")
+
+
 def _first_line(text: str | None, width: int) -> str:
     line = (text or "").strip().splitlines()[0] if (text or "").strip() else "-"
     return line if len(line) <= width else line[: width - 3] + "..."
+
+
+def _counts(report: OutboxStats, counts: dict[str, int]) -> list[object]:
+    """A row's counts by status; estimated ones marked ``≈``."""
+    return [
+        f"≈{counts[s]}" if s == "done" and report.done_estimated else counts[s] for s in STATUSES
+    ]
 
 
 def stats_view(report: OutboxStats, *, hint: str = "") -> str:
@@ -66,11 +75,15 @@ def stats_view(report: OutboxStats, *, hint: str = "") -> str:
         parts.append("no events")
     else:
         rows: list[list[object]] = [
-            [t.topic, *(t.counts[s] for s in STATUSES), age(t.lag)] for t in report.topics
+            [t.topic, *_counts(report, t.counts), age(t.lag)] for t in report.topics
         ]
-        totals = report.totals
-        rows.append(["(all topics)", *(totals[s] for s in STATUSES), age(report.lag)])
+        rows.append(["(all topics)", *_counts(report, report.totals), age(report.lag)])
         parts.append(table(["TOPIC", *(s.upper() for s in STATUSES), "LAG"], rows))
+        if report.done_estimated:
+            parts.append(
+                "≈: estimated (past 50,000 done rows: the planner's row count less the"
+                " exact others, shared by a sample); every other count is exact"
+            )
     parts.append("")
     if report.in_flight:
         parts.append(
@@ -129,8 +142,7 @@ def databases_view(reports: Sequence[tuple[str, OutboxStats | str]], *, hint: st
         if isinstance(report, str):
             rows.append([name, *("-" for _ in STATUSES), "-"])  # why: on stderr
             continue
-        totals = report.totals
-        rows.append([name, *(totals[s] for s in STATUSES), age(report.lag)])
+        rows.append([name, *_counts(report, report.totals), age(report.lag)])
         if report.dead:
             notes.append(f"{name}: {report.dead} dead (python -m aiooutbox dead list{hint})")
         notes += [f"{name}: warning: {u.topic}: {u.waiting} event(s) waiting up to "

@@ -10,6 +10,7 @@ from typing import Any
 
 import asyncpg
 
+from .._admin.counts import SAMPLE_PAGES, sample_percent
 from .._admin.records import STATUSES
 from .._engine.watchdog import MvccReport, inspect_mvcc
 from .._sql.flow import ALL_TOPICS, flow_queries
@@ -22,9 +23,6 @@ __all__ = ["Overview", "TopicRow", "event_page", "load_event", "overview"]
 
 HOUR = 3600.0
 DAY = 86400.0
-# pages of the table read at random for the numbers no index gives cheaply (about
-# 30 rows a page: ~12 MB, 30-100 ms here); a table this small is read whole
-SAMPLE_PAGES = 1500
 # how long a page may spend counting its matches exactly before it estimates
 COUNT_TIME = 0.1
 
@@ -71,7 +69,7 @@ async def _sample(conn: Any, w: WebQueries) -> tuple[float, bool, list[Any]]:
     """Rows by topic and status in a random sample of about `SAMPLE_PAGES` pages
     (every page of a small table: then the numbers are exact)."""
     pages = await conn.fetchval(w.pages, w.outbox.qualified)
-    percent = 100.0 if pages <= SAMPLE_PAGES else max(SAMPLE_PAGES / pages * 100.0, 0.01)
+    percent = sample_percent(pages)
     sample = await conn.fetch(w.sample, percent, float(int(time.time() // 600)))
     return 100.0 / percent, percent >= 100.0, sample
 
