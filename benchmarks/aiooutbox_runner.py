@@ -26,6 +26,11 @@ NAME = "aiooutbox"
 DEFAULT_SETTINGS: dict[str, Any] = {"concurrency": 500, "pool_size": 6, "prefetch": 1500}
 
 _CHUNK = 100_000
+# what a producer may not write (migration 0013's insert check refuses it)
+_CONSUMER_COLUMNS = {
+    "status", "attempts", "locked_by", "locked_at", "lease_expires_at", "finished_at",
+    "last_error", "blocks_key", "holds_key", "flow_counted",
+}  # fmt: skip
 # event ids each consumer process handled, written after its drain (double claims)
 HANDLED_TABLE = "bench_handled"
 
@@ -103,14 +108,17 @@ class System:
     ) -> None:
         """``INSERT INTO the table (columns) SELECT values FROM generate_series`` (``g``
         from 1 to ``n``) in chunks, then VACUUM ANALYZE. ``order_trigger=False``: with
-        the ordering trigger and the insert check disabled, for loads that set each row's
-        status themselves (the trigger's per-row head check can be a full scan: see
-        ordering_isolation; the check refuses statuses other than pending)."""
+        the ordering trigger disabled, for loads that set each row's status themselves
+        (the trigger's per-row head check can be a full scan: see ordering_isolation).
+        Loads that write columns only consumers set (a history of `done` rows, rows
+        running elsewhere) go past the insert check, as a restore would."""
         conn = await self.connect()
         triggers: list[str] = []
-        if not order_trigger:
+        names = [] if order_trigger else [f"{self.q.table}_order"]
+        if not order_trigger or _CONSUMER_COLUMNS & {c.strip() for c in columns.split(",")}:
             # the insert check exists from migration 0013 on
-            names = [f"{self.q.table}_order", f"{self.q.table}_insert_check"]
+            names.append(f"{self.q.table}_insert_check")
+        if names:
             present = await conn.fetch(
                 "SELECT tgname FROM pg_trigger WHERE tgrelid = $1::regclass"
                 " AND tgname = ANY ($2::text[])",

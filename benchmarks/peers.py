@@ -19,6 +19,7 @@ import importlib.resources
 import importlib.util
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
@@ -92,7 +93,7 @@ class System:
         if self.name == AWA:
             from awa import AsyncClient
 
-            client = AsyncClient(self.dsn, max_connections=2)
+            client = AsyncClient(_sqlx_dsn(self.dsn), max_connections=2)
             await client.migrate()
             await client.close()
 
@@ -105,7 +106,7 @@ class System:
         if self.name == AWA:
             from awa import AsyncClient
 
-            client = AsyncClient(self.dsn, max_connections=2)
+            client = AsyncClient(_sqlx_dsn(self.dsn), max_connections=2)
             for start in range(0, n, 10_000):
                 jobs = [Noop(i) for i in range(start, min(n, start + 10_000))]
                 await client.insert_many_copy(jobs, queue=TOPIC)
@@ -180,13 +181,24 @@ async def consume_bare(
             await conn.close()
 
 
+def _sqlx_dsn(dsn: str) -> str:
+    """The DSN as awa's driver (sqlx) reads it: a unix-socket DSN written libpq's way
+    (``postgresql://user@/db?host=/socket/dir``, as the embedded server gives it) needs a
+    host in the authority, which the ``host`` parameter then overrides ("empty host")."""
+    parts = urlsplit(dsn)
+    if parts.hostname or "host=" not in parts.query:
+        return dsn
+    user = parts.netloc.rpartition("@")[0]
+    return urlunsplit(parts._replace(netloc=f"{user}@localhost" if user else "localhost"))
+
+
 async def consume_awa(
     dsn: str, settings: dict[str, Any], recorder: Any, stop: asyncio.Event
 ) -> None:
     """awa's AsyncClient, ``workers`` on the queue (its Rust runtime claims and settles)."""
     from awa import AsyncClient
 
-    client = AsyncClient(dsn, max_connections=int(settings.get("max_connections", 10)))
+    client = AsyncClient(_sqlx_dsn(dsn), max_connections=int(settings.get("max_connections", 10)))
 
     @client.task(Noop, queue=TOPIC)
     async def handler(job: Any) -> None:
