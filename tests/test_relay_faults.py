@@ -157,7 +157,8 @@ async def test_redis_exactly_once_through_sigkill(dsn: str, pool: asyncpg.Pool) 
     """A private Redis: a repeated event is looked up by XRANGE before it is added."""
     broker = PrivateRedis()
     broker.start()
-    client = aioredis.Redis.from_url(broker.url)
+    # redis-py 8 reads with a 5 s timeout by default: 20k entries on a loaded machine
+    client = aioredis.Redis.from_url(broker.url, socket_timeout=120)
     try:
         stream = unique("relay:kill:")
         await fill(pool, TOTAL)
@@ -321,7 +322,8 @@ async def test_redis_ordered_exactly_once_through_sigkill(dsn: str, pool: asyncp
     (``attempts`` 1 again) but is ``redelivered``, so it is looked up too."""
     broker = PrivateRedis()
     broker.start()
-    client = aioredis.Redis.from_url(broker.url)
+    # redis-py 8 reads with a 5 s timeout by default: 20k entries on a loaded machine
+    client = aioredis.Redis.from_url(broker.url, socket_timeout=120)
     try:
         stream = unique("relay:kill:")
         await fill_ordered(pool, stream)
