@@ -2,93 +2,19 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import math
-import os
-import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-pytest.importorskip("pgqueuer")
-pytest.importorskip("psutil")
-
 from benchmarks import report
 from benchmarks.__main__ import config_from, parse
 from benchmarks.scenarios import Bench, Config, latency_grew
+from tests.benchmark_smoke import LIMIT, positive, run_tiny, tiny
 
-# Each test below runs a few scenarios at tiny sizes. Most of their time is child
-# processes starting (a consumer per drain, a process per producer driver), which a
-# loaded machine stretches: the whole suite in one test once took over 90 s there.
-# LIMIT is generous; a test that runs out says how long it ran, at what load, and
-# which step it was in.
-LIMIT = 420.0
 pytestmark = pytest.mark.timeout(LIMIT + 120)
-
-
-def tiny(*scenarios: str) -> Config:
-    return Config(
-        drain_sizes=[200, 400],
-        drain_rounds={200: 1, 400: 1},
-        tune=False,
-        steady_fractions=[0.5],
-        steady_rates=[300.0],
-        steady_seconds=0.6,
-        capacity_steps=1,
-        capacity_seconds=0.6,
-        steady_producers=2,
-        wakeup_samples=3,
-        wakeup_gap=(0.1, 0.15),
-        poll_only_interval=0.3,
-        producer_levels=[1, 2],
-        producer_seconds=0.2,
-        producer_rounds=1,
-        driver_connections=2,
-        driver_seconds=0.2,
-        history_rows=5_000,
-        history_drain=200,
-        history_rounds=1,
-        observe_size=200,
-        observe_rounds=1,
-        sample_interval=0.05,
-        settle=0.2,
-        scenarios=list(scenarios),
-    )
-
-
-def positive(value: object) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
-
-
-async def run_tiny(
-    pg_server: str, config: Config, out: Path, *, plots: bool = False
-) -> tuple[dict[str, Any], dict[str, Path]]:
-    """Run ``config`` within `LIMIT`; its results as written to ``out``, and the paths."""
-    steps: list[str] = []
-    bench = Bench(pg_server, config, prefix=f"bsmoke_{uuid.uuid4().hex[:8]}_", log=steps.append)
-    what = "+".join(config.scenarios)
-    started = time.monotonic()
-    try:
-        results = await asyncio.wait_for(bench.run(), LIMIT)
-    except TimeoutError:
-        raise AssertionError(
-            f"benchmark scenarios {what} at tiny sizes still running after "
-            f"{time.monotonic() - started:.0f}s (limit {LIMIT:.0f}s, load average "
-            f"{os.getloadavg()[0]:.1f}); last steps: {steps[-4:]}"
-        ) from None
-    finally:
-        await bench.cleanup()
-    print(
-        f"\n[benchmark smoke {what}] {time.monotonic() - started:.1f}s, "
-        f"load average {os.getloadavg()[0]:.1f}"
-    )
-    paths = report.write(results, out, plots=plots)
-    loaded: dict[str, Any] = json.loads(paths["json"].read_text())
-    assert loaded["meta"]["postgresql"]["version"].startswith("PostgreSQL")
-    return loaded, paths
 
 
 def target_rows(loaded: dict[str, Any]) -> str:
@@ -425,113 +351,3 @@ def test_version_ab_refuses_bad_sides(tmp_path: Path) -> None:
     ):
         with pytest.raises(SystemExit):
             ab.parse([*argv, "--dsn", "postgresql://x@127.0.0.1/none"])
-
-
-@pytest.mark.slow  # a child process per reference
-async def test_references_scenario_drains_every_installed_peer(
-    pg_server: str, tmp_path: Path
-) -> None:
-    config = Config(
-        scenarios=["references"],
-        tune=False,
-        references_size=300,
-        references_sizes={"awa": 200, "procrastinate": 30},
-        references_rounds=1,
-    )
-    loaded, paths = await run_tiny(pg_server, config, tmp_path)
-    rows = loaded["references"]["rows"]
-    assert [r["system"] for r in rows] == [
-        "aiooutbox", "aiooutbox", "bare", "bare", "pgqueuer", "awa", "procrastinate"
-    ]  # fmt: skip
-    for row in rows:
-        if row.get("not_installed"):  # an optional peer: said so, and no numbers
-            assert row["system"] in ("awa", "procrastinate") and not row["runs"], row
-            continue
-        (run,) = row["runs"]
-        assert "error" not in run and run["handled"] >= run["n"], run
-        assert run["finished"] in (None, run["n"]), run
-        assert positive(row["rate"]) and positive(row["client_us"]), row
-        assert row["server_us"] is None or row["server_us"] >= 0, row
-    assert rows[0]["vs_defaults"] == 1.0
-    text = paths["markdown"].read_text()
-    assert "## References" in text and "bare asyncpg loop, 2 connections" in text
-
-
-async def test_references_scenario_says_when_a_peer_is_not_installed(
-    pg_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from benchmarks import peers
-
-    monkeypatch.setitem(peers._PACKAGES, "awa", ("no_such_module_for_awa", "awa-pg"))
-    config = Config(scenarios=["references"], tune=False, references_only=["awa"])
-    loaded, paths = await run_tiny(pg_server, config, tmp_path)
-    (row,) = loaded["references"]["rows"]
-    assert row["not_installed"] == "pip install awa-pg" and not row["runs"]
-    assert "rate" not in row
-    assert "not installed (`pip install awa-pg`)" in paths["markdown"].read_text()
-
-
-@pytest.mark.slow  # consumer child processes
-async def test_producer_tax_scenario_runs_at_tiny_sizes(pg_server: str, tmp_path: Path) -> None:
-    config = Config(
-        scenarios=["tax"],
-        tune=False,
-        producer_seconds=0.2,
-        tax_levels=[2],
-        tax_rounds=1,
-        tax_probe_inserts=100,
-        tax_probe_rounds=1,
-        tax_probe_load_rounds=1,
-    )
-    loaded, paths = await run_tiny(pg_server, config, tmp_path)
-    tax = loaded["tax"]
-    assert list(tax["baselines"]) == ["none", "poll", "listen"]
-    for name, base in tax["baselines"].items():
-        row = base["levels"]["2"]
-        assert positive(row["on"]) and positive(row["off"]) and positive(row["ratio"]), row
-        # every event the producers wrote was handled by the consumer, if there was one
-        assert base["handled"] == (None if name == "none" else base["produced"]), base
-    from benchmarks.producer_tax import PROBES
-
-    assert set(tax["probes"]["us_per_insert"]) == set(PROBES)
-    assert all(positive(v) for v in tax["probes"]["us_per_insert"].values())
-    assert all(positive(v) for v in tax["probes"]["commits_per_s"].values())
-    # an idle consumer advertised: every commit notifies; none otherwise
-    assert tax["probes"]["notifications_per_s"]["on_idle_advertised"] > 0
-    assert tax["probes"]["notifications_per_s"]["on"] == 0
-    assert "## Producer tax" in paths["markdown"].read_text()
-
-
-@pytest.mark.slow  # consumer child processes
-async def test_retention_scenario_runs_at_tiny_sizes(pg_server: str, tmp_path: Path) -> None:
-    config = Config(
-        scenarios=["retention"],
-        tune=False,
-        retention_rows=3_000,
-        retention_drain=200,
-        retention_rounds=1,
-        retention_stats_repeat=1,
-        retention_purge_batches=2,
-    )
-    loaded, paths = await run_tiny(pg_server, config, tmp_path)
-    section = loaded["retention"]
-    assert section["sizes"]["after_load"]["live_rows"] == 3_000
-    # the consumer's purge statement, two batches of 1,000 rows 8 days old
-    assert section["purge"]["rows"] == 2_000 and positive(section["purge"]["rows_per_s"])
-    variants = [r["variant"] for r in section["runs"]]
-    assert variants == ["empty", "history_no_retention", "history_retention_default"]
-    for run in section["runs"]:
-        assert "error" not in run and run["finished"] == 200, run
-    # retention off: the 1,000 history rows left and the 200 drained ones are all there
-    assert section["runs"][1]["sizes_after"]["live_rows"] == 1_200
-    assert all(positive(v) for v in section["rates"].values()), section["rates"]
-    assert all(positive(v) for v in section["stats_ms"].values())
-    assert set(section["stats_ms"]) == {"history", "empty", "history_full_count"}
-    assert section["stats_done_estimated"] is False  # 3,000 rows: counted exactly
-    # after the drains the consumer's own retention rounds purged what was left, if any
-    rounds = section["rounds"]
-    assert rounds["rounds"] and rounds["rounds"][-1]["behind"] is False, rounds
-    assert rounds["rows"] == sum(r["rows"] for r in rounds["rounds"])
-    assert positive(section["purge"]["schedule_ceiling_rows_per_s"])
-    text = paths["markdown"].read_text()
-    assert "## History at scale and retention" in text and "Retention rounds" in text
