@@ -73,3 +73,25 @@ async def test_recovery_takes_a_run_whole_once_every_lease_of_it_expired(
     # B gets the key from its first event, in order
     got = await pool.fetch(Q.claim, "B", 30.0, ["t"], 1, MAX_BYTES, 10, 10)
     assert [r["id"] for r in got] == e
+
+
+async def test_recovery_leaves_a_run_another_recovery_holds_part_of(pool: asyncpg.Pool) -> None:
+    """Two consumers recover at once after a SIGKILL: each locks what the other has
+    not (SKIP LOCKED), so one run's rows can be split between them. The one that took
+    the head put it back to `retry` while the other's rows were still `processing`:
+    the next claim ran the waiting events after them first."""
+    e = await _run_claimed_by_a(pool)
+    await pool.execute(
+        "UPDATE outbox_events SET lease_expires_at = now() - interval '1 second'"
+        " WHERE id = ANY($1)",
+        e[:3],
+    )
+    async with pool.acquire() as other, other.transaction():
+        # the other recovery holds e2 (locked, not yet written)
+        await other.execute("SELECT 1 FROM outbox_events WHERE id = $1 FOR UPDATE", e[1])
+        assert await pool.fetch(Q.recover_expired, 1000) == []
+        assert [s for s, _ in await _statuses(pool, e)] == ["processing"] * 3 + ["waiting"] * 2
+    # once nobody holds any of it, the run goes back whole, in order
+    await pool.fetch(Q.recover_expired, 1000)
+    got = await pool.fetch(Q.claim, "B", 30.0, ["t"], 1, MAX_BYTES, 10, 10)
+    assert [r["id"] for r in got] == e
