@@ -36,8 +36,8 @@ from hypothesis.stateful import (
 
 import aiooutbox
 from aiooutbox import admin
+from aiooutbox._engine.dispatcher import runs_of
 from aiooutbox._engine.engine import LEASE_MARGIN
-from aiooutbox._engine.handoff import Run, runs_of
 from aiooutbox._engine.leases import Leases
 from aiooutbox._engine.maintenance import Maintenance
 from aiooutbox._engine.options import DEFAULT_MAX_CLAIM_BYTES as MAX_CLAIM_BYTES
@@ -57,12 +57,6 @@ KEYS = ("k1", "k2")
 BLOCKING = "k2"  # its handler keeps the key blocked when its event dies (on_dead="block")
 RUN = 3  # run members a claim takes behind each head
 STATUSES = ("pending", "retry", "processing", "waiting", "done", "dead")
-
-
-def _as_lists(runs: list[Run]) -> list[list[ClaimedRow]]:
-    """The hand-off passes an unordered row as itself (a raw insert without a key), an
-    ordered key's run as a list: the machine runs both as lists."""
-    return [run if isinstance(run, list) else [run] for run in runs]
 
 
 class Worker:
@@ -159,7 +153,7 @@ def make_ordered_machine(world: World, pool: asyncpg.Pool) -> type[RuleBasedStat
             rows = [ClaimedRow.from_record(r) for r in records]
             # the consumer takes its clock before the claim: here nothing passes meanwhile
             w.leases.hold_all(rows, w.clock + LEASE)
-            w.runs.extend(_as_lists(runs_of(rows)))
+            w.runs.extend(runs_of(rows))
             STEPS["ordered rows claimed"] += len(rows)
 
         def _start(self, w: Worker) -> None:
@@ -394,7 +388,7 @@ def make_ordered_machine(world: World, pool: asyncpg.Pool) -> type[RuleBasedStat
                         Q.claim, "finisher", LEASE, ["t"], 100, MAX_CLAIM_BYTES, RUN, 2 * RUN
                     )
                 )
-                for run in _as_lists(runs_of([ClaimedRow.from_record(r) for r in got])):
+                for run in runs_of([ClaimedRow.from_record(r) for r in got]):
                     for row in run:
                         world.run(
                             world.conn.fetchrow(Q.settle_done, [row.id], "finisher", row.attempts)
