@@ -18,7 +18,9 @@
 -- flag off the run's last row: the key had a claimable head while its run was under
 -- way, and the next claim took it with the waiting events after the run, which then ran
 -- before the run's own later events. A batch limit that cut a run did the same: the
--- rows left out stayed `processing` while the key's head was claimable again.
+-- rows left out stayed `processing` while the key's head was claimable again, and so
+-- did two consumers recovering a killed consumer's rows at once (each skips the rows
+-- the other locked, so one run could be split between them).
 -- Now a key goes back only whole:
 -- * the key's other processing rows that qualify (expired, or this worker's for a
 --   release) are taken with it, whatever the batch limit;
