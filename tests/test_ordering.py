@@ -348,6 +348,15 @@ async def test_order_holds_through_a_sigkilled_consumer_process(
             " ORDER BY r.okey, r.src, r.started"
         ):
             print(dict(r))
+        # the events themselves: last_error names a lease recovery and the worker it took
+        # the row from, which tells a late settlement from a lost one
+        for r in await runs.fetch(
+            "SELECT e.id, e.status::text, e.attempts, e.locked_by, e.last_error"
+            " FROM outbox_events e WHERE e.ordering_key IN (SELECT x.okey FROM runs x"
+            f" WHERE x.run IN (SELECT r.run {OUT_OF_ORDER.split('count(*)', 1)[1]}))"
+            " ORDER BY e.ordering_key, e.id"
+        ):
+            print(dict(r))
     assert (overlaps, out_of_order) == (0, 0), "two runs of a key overlapped, or ran out of order"
     assert finished is None and set(left) == {"done"}, f"events left unhandled: {left}"
     assert traffic.unexpected == [], traffic.unexpected[:5]
