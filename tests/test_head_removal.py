@@ -341,6 +341,38 @@ async def test_a_promotion_deferred_past_a_consumers_stop_is_made_by_another_con
         await asyncio.wait_for(task_a, 30)
 
 
+async def test_a_settler_closed_with_a_deferred_promotion_gives_its_connection_back(
+    pool: asyncpg.Pool, producer: Callable[[str], Awaitable[Producer]]
+) -> None:
+    """The consumer closes its settler (the final flush) while the settler's loop still
+    runs; a promotion a producer's lock deferred used to be retried after that, on a
+    connection taken again and never given back: the pool's close() then waited for it
+    for ever (a teardown timeout in one run of three of the test above)."""
+    import anyio
+
+    from aiooutbox._engine.settler import Settler
+
+    head, _waiting = await _ordered(pool, 2)
+    q = queries()
+    claimed = await pool.fetch(q.claim, "w", 30.0, ["t"], 1, 1 << 30, 0, 0)
+    assert [r["id"] for r in claimed] == [head]
+    busy = await producer("k")  # holds the key's lock: the promotion is deferred
+    in_use = pool.get_size() - pool.get_idle_size()
+    settler = Settler(pool, q, "w", flush_interval=0.001, flush_size=100, statement_timeout=5)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(settler.run)
+        settler.done(head, 1)
+        await wait_until(_statuses_are(pool, [head], "done"), timeout=BOUND)
+        await settler.close(timeout=5)
+        # many retry periods of the deferred promotion pass before the loop is cancelled
+        with anyio.move_on_after(0.5):
+            await anyio.sleep_forever()
+        tg.cancel_scope.cancel()
+    assert settler.is_closed()
+    assert pool.get_size() - pool.get_idle_size() == in_use, "the settler kept a connection"
+    await busy.commit()
+
+
 # -- an operator's own SQL --------------------------------------------------------------------
 
 

@@ -85,6 +85,7 @@ class Settler:
         self._flushed = anyio.Event()
         self._flush_lock = anyio.Lock()
         self._deadline: float | None = None  # set by close(): every flush gives up then
+        self._closed = False  # close() ran its final flush: run() flushes no more
         self._writing = _Batch()  # the batch a flush is writing now
         self._on_promoted = on_promoted
         self._on_retry_due = on_retry_due
@@ -95,6 +96,10 @@ class Settler:
         self.promoted = 0  # waiting ordered events promoted to their key's head
         self.fenced = 0  # outcomes ignored because the lease had moved on
         self.abandoned = 0  # outcomes given up at shutdown (their leases will expire)
+
+    def is_closed(self) -> bool:
+        """`close` has run its final flush: nothing more is written."""
+        return self._closed
 
     # -- recording (synchronous, never fails) --------------------------------------
     def done(self, event_id: int, attempts: int) -> None:
@@ -133,25 +138,38 @@ class Settler:
 
     # -- flushing ------------------------------------------------------------------
     async def run(self) -> None:
-        """Flush forever; cancel to stop, then call `close` for the final flush."""
-        while True:
-            # deferred promotions are retried after _PROMOTE_RETRY (as long as _HOLD_IDLE)
-            with anyio.move_on_after(_HOLD_IDLE):
-                await self._has_work.wait()
-            if not self._has_work.is_set() and not self._promote_later:
-                async with self._flush_lock:  # not under a flush of `close`
-                    await self._conn.release()  # idle: no connection held
-                await self._has_work.wait()
-            self._has_work = anyio.Event()
-            if self._pending.size < self._flush_size and not self._hurry:
-                # let a few more outcomes join this batch
-                with anyio.move_on_after(self._flush_interval):
-                    while self._pending.size < self._flush_size:
-                        await self._has_work.wait()
-                        self._has_work = anyio.Event()
-            self._hurry = False
-            async with self._flush_lock:
-                await self._flush_locked()
+        """Flush until `close` (the final flush) has run, or until cancelled.
+
+        The held connection goes back to the pool whichever way it ends: the consumer
+        calls `close` while this still runs, and a deferred promotion retried after it
+        would otherwise take the connection again and keep it past the stop (the pool's
+        ``close()`` then waited for it for ever).
+        """
+        try:
+            while not self.is_closed():
+                # deferred promotions are retried after _PROMOTE_RETRY (as long as _HOLD_IDLE)
+                with anyio.move_on_after(_HOLD_IDLE):
+                    await self._has_work.wait()
+                if not self._has_work.is_set() and not self._promote_later:
+                    async with self._flush_lock:  # not under a flush of `close`
+                        await self._conn.release()  # idle: no connection held
+                    await self._has_work.wait()
+                self._has_work = anyio.Event()
+                if self._pending.size < self._flush_size and not self._hurry:
+                    # let a few more outcomes join this batch
+                    with anyio.move_on_after(self._flush_interval):
+                        while self._pending.size < self._flush_size:
+                            await self._has_work.wait()
+                            self._has_work = anyio.Event()
+                self._hurry = False
+                async with self._flush_lock:
+                    if self.is_closed():  # `close` flushed last: nothing is ours to write
+                        break
+                    await self._flush_locked()
+        finally:
+            with anyio.CancelScope(shield=True):
+                async with self._flush_lock:  # never under a flush of `close`
+                    await self._conn.release()
 
     async def close(self, timeout: float) -> None:
         """Final flush, shielded from cancellation, given up after ``timeout`` seconds.
@@ -166,6 +184,8 @@ class Settler:
                 async with self._flush_lock:
                     await self._flush_locked()
             self._abandon("the database could not be reached before the shutdown deadline")
+            self._closed = True
+            self._has_work.set()  # run() sees it and ends
             await self._conn.release()
             if self._promote_later:
                 keys = sorted(self._promote_later)
