@@ -12,7 +12,7 @@ import aiooutbox
 from aiooutbox._engine.leases import Leases
 from aiooutbox._engine.maintenance import _PURGE_BATCH, Maintenance
 from aiooutbox._sql.statements import queries
-from tests.helpers import running, wait_until
+from tests.helpers import insert_unchecked, running, wait_until
 
 DAY = 86400.0
 DUE = 12_500  # finished two days ago: past a one-day retention
@@ -33,7 +33,8 @@ def _maintenance(pool: asyncpg.Pool) -> Maintenance:
 
 
 async def _history(pool: asyncpg.Pool, rows: int, age: str, topic: str = "old") -> None:
-    await pool.execute(
+    await insert_unchecked(  # a history of finished rows, as a restore writes them
+        pool,
         "INSERT INTO outbox_events (topic, payload, status, attempts, finished_at)"
         " SELECT $1, jsonb_build_object('i', g), 'done', 1,"
         f" now() - interval '{age}' - g * interval '1 millisecond'"
