@@ -19,13 +19,7 @@ import anyio
 import asyncpg
 
 from .._engine.flow import Flow
-from .._sql.db import (
-    TRANSIENT_ERRORS,
-    HeldConnection,
-    bounded,
-    check_permanent,
-    pool_is_closed,
-)
+from .._sql.db import TRANSIENT_ERRORS, bounded, check_permanent, pool_is_closed, pooled
 from .._values.text import exception_message, exception_summary
 from ..errors import OutboxError
 from ..observe import Observers
@@ -99,21 +93,12 @@ class Dispatcher:
         # restarted under a fixed worker_id may have left rows behind)
         self._reconcile = True
         self._warned_down: float | None = None  # the listener outage last warned about
-        # kept from claim to claim while they follow each other, given back before idling
-        self._conn = HeldConnection(pool, options.statement_timeout)
 
     @property
     def _listening(self) -> bool:
         return self._listener is not None and self._listener.connected
 
     async def run(self, handoff: Handoff[Run]) -> None:
-        try:
-            await self._run(handoff)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._conn.release()
-
-    async def _run(self, handoff: Handoff[Run]) -> None:
         o, s, signals = self._o, self._stats, self._signals
         backoff = 0.05
         linger = 0
@@ -193,7 +178,6 @@ class Dispatcher:
                 await _wait_for(signals.wake.wait(), _LINGER[linger])
                 linger += 1
                 continue
-            await self._conn.release()  # leaving the fast path: no connection held idle
             listener = self._listener
             if idle and listener is not None and listener.reconnects != advertised_on:
                 # the listener reconnected: after a server crash the unlogged idle table
@@ -290,7 +274,7 @@ class Dispatcher:
         # fast stop during a claim releases its rows instead of stranding them for a
         # lease (the wait is bounded by the acquire and statement timeouts)
         with anyio.CancelScope(shield=True):
-            async with self._conn.use() as conn:
+            async with pooled(self._pool, self._o.statement_timeout) as conn:
                 if limited:
                     share = -(-want // (len(limited) + claim_open))
                     taken = await flow.claim(conn, limited, share)

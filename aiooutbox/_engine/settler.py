@@ -20,13 +20,7 @@ from dataclasses import dataclass, field
 import anyio
 import asyncpg
 
-from .._sql.db import (
-    TRANSIENT_ERRORS,
-    HeldConnection,
-    check_permanent,
-    is_data_error,
-    pool_is_closed,
-)
+from .._sql.db import TRANSIENT_ERRORS, check_permanent, is_data_error, pool_is_closed, pooled
 from .._sql.statements import Queries
 from .._values.text import describe_exception, exception_message, exception_summary
 from .rows import Outcome, Settlement
@@ -80,7 +74,6 @@ class Settler:
         self._flush_size = flush_size
         self._timeout = statement_timeout
         self._pending = _Batch()
-        self._conn = HeldConnection(pool, statement_timeout)
         self._has_work = anyio.Event()
         self._flushed = anyio.Event()
         self._flush_lock = anyio.Lock()
@@ -140,36 +133,27 @@ class Settler:
     async def run(self) -> None:
         """Flush until `close` (the final flush) has run, or until cancelled.
 
-        The held connection goes back to the pool whichever way it ends: the consumer
-        calls `close` while this still runs, and a deferred promotion retried after it
-        would otherwise take the connection again and keep it past the stop (the pool's
-        ``close()`` then waited for it for ever).
+        The consumer calls `close` while this still runs: nothing is written after it
+        (a deferred promotion retried then wrote past the stop).
         """
-        try:
-            while not self.is_closed():
-                # deferred promotions are retried after _PROMOTE_RETRY (as long as _HOLD_IDLE)
-                with anyio.move_on_after(_HOLD_IDLE):
-                    await self._has_work.wait()
-                if not self._has_work.is_set() and not self._promote_later:
-                    async with self._flush_lock:  # not under a flush of `close`
-                        await self._conn.release()  # idle: no connection held
-                    await self._has_work.wait()
-                self._has_work = anyio.Event()
-                if self._pending.size < self._flush_size and not self._hurry:
-                    # let a few more outcomes join this batch
-                    with anyio.move_on_after(self._flush_interval):
-                        while self._pending.size < self._flush_size:
-                            await self._has_work.wait()
-                            self._has_work = anyio.Event()
-                self._hurry = False
-                async with self._flush_lock:
-                    if self.is_closed():  # `close` flushed last: nothing is ours to write
-                        break
-                    await self._flush_locked()
-        finally:
-            with anyio.CancelScope(shield=True):
-                async with self._flush_lock:  # never under a flush of `close`
-                    await self._conn.release()
+        while not self.is_closed():
+            # deferred promotions are retried after _PROMOTE_RETRY (as long as _HOLD_IDLE)
+            with anyio.move_on_after(_HOLD_IDLE):
+                await self._has_work.wait()
+            if not self._has_work.is_set() and not self._promote_later:
+                await self._has_work.wait()
+            self._has_work = anyio.Event()
+            if self._pending.size < self._flush_size and not self._hurry:
+                # let a few more outcomes join this batch
+                with anyio.move_on_after(self._flush_interval):
+                    while self._pending.size < self._flush_size:
+                        await self._has_work.wait()
+                        self._has_work = anyio.Event()
+            self._hurry = False
+            async with self._flush_lock:
+                if self.is_closed():  # `close` flushed last: nothing is ours to write
+                    break
+                await self._flush_locked()
 
     async def close(self, timeout: float) -> None:
         """Final flush, shielded from cancellation, given up after ``timeout`` seconds.
@@ -186,7 +170,6 @@ class Settler:
             self._abandon("the database could not be reached before the shutdown deadline")
             self._closed = True
             self._has_work.set()  # run() sees it and ends
-            await self._conn.release()
             if self._promote_later:
                 keys = sorted(self._promote_later)
                 logger.warning(
@@ -290,7 +273,7 @@ class Settler:
 
     async def _write(self, batch: _Batch) -> None:
         statements = self._statements(batch)
-        async with self._conn.use() as conn:
+        async with pooled(self._pool, self._timeout) as conn:
             try:
                 results = await self._execute(conn, statements)
             except asyncpg.PostgresError as exc:

@@ -4,7 +4,6 @@ tell a closed pool from either."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,7 +16,6 @@ from ..errors import OutboxError
 
 __all__ = [
     "TRANSIENT_ERRORS",
-    "HeldConnection",
     "PermanentDatabaseError",
     "bounded",
     "check_permanent",
@@ -101,59 +99,6 @@ def permanent_message(exc: BaseException, doing: str, reason: str) -> str:
     summary = exception_summary(exc)
     state = getattr(exc, "sqlstate", None)
     return f"{doing} failed: {summary} (SQLSTATE {state}); {reason}"
-
-
-class HeldConnection:
-    """A pooled connection kept from one statement to the next while they follow each
-    other closely (the claims and the settlements of a busy consumer), given back by
-    `release` when its user goes idle, and at once after any error.
-
-    Every release resets the connection, a round trip and four statements on the server
-    (``pg_advisory_unlock_all()``, ``CLOSE ALL``, ``UNLISTEN *``, ``RESET ALL``); a drain
-    paid it after every claim and every settlement. A connection held here is never in a
-    transaction between statements, a closed one is replaced, its user never shares it
-    between tasks (nor releases it while a statement runs), and once the application
-    begins closing the pool it is given back before the next statement, so ``pool.close()``
-    waits at most for the statement under way.
-    """
-
-    def __init__(self, pool: asyncpg.Pool, timeout: float) -> None:
-        self._pool = pool
-        self._timeout = timeout
-        self._conn: asyncpg.Connection | None = None
-
-    @asynccontextmanager
-    async def use(self) -> AsyncIterator[asyncpg.Connection]:
-        """The held connection (acquired if none is); given back if the body raises."""
-        conn = self._conn
-        if conn is not None and (_gone(conn) or pool_is_closed(self._pool)):
-            await self.release()  # a no-op for a connection the pool took back
-            conn = None
-        if conn is None:
-            conn = self._conn = await self._pool.acquire(timeout=self._timeout)
-        try:
-            yield conn
-        except BaseException:
-            await self.release()
-            raise
-
-    async def release(self) -> None:
-        """Give the connection back to the pool (a no-op when none is held). A reset
-        that fails is not an error here: asyncpg closes that connection (logged at
-        debug), and the next `use` acquires another."""
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            with contextlib.suppress(*TRANSIENT_ERRORS):
-                await _release(self._pool, conn)
-
-
-def _gone(conn: asyncpg.Connection) -> bool:
-    """Closed, or taken back by the pool (which detaches the connection it gave us
-    when the server closes it)."""
-    try:
-        return bool(conn.is_closed())
-    except asyncpg.InterfaceError:
-        return True
 
 
 @asynccontextmanager
