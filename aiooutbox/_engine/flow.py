@@ -42,6 +42,7 @@ logger = logging.getLogger("aiooutbox.consumer")
 
 # the longest a consumer goes without re-reading the controls (a missed notification)
 REFRESH = 1.0
+_START_TRIES = 5  # first reads of the controls before a start fails (within a second)
 # a limited topic at its max_running: look again this often for a slot another
 # consumer freed (slots this consumer frees are seen at once)
 RUNNING_RECHECK = 0.1
@@ -114,7 +115,33 @@ class Flow:
         self._stale.set()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Read the controls now (a failure here fails the start), then keep them fresh."""
+        """Read the controls now (a failure here fails the start), then keep them fresh.
+
+        A connection dropped during the start (a backend terminated, a failover) is
+        tried again a few times, within a second, before it fails the start: a
+        consumer started while its database drops connections must not die of it."""
+        for attempt in range(_START_TRIES):
+            try:
+                await self._first_refresh()
+                break
+            except TRANSIENT_ERRORS as exc:
+                if attempt == _START_TRIES - 1:
+                    raise
+                logger.debug("reading the topic controls failed (%s); trying again", exc)
+                await anyio.sleep(0.05 * 2**attempt)
+        task_status.started()
+        while True:
+            with anyio.move_on_after(REFRESH * random.uniform(0.8, 1.0)):
+                await self._stale.wait()
+            self._stale = anyio.Event()
+            try:
+                await self.refresh()
+            except TRANSIENT_ERRORS as exc:
+                check_permanent(exc, "reading the topic controls")
+                logger.debug("reading the topic controls failed: %s", exc)
+
+    async def _first_refresh(self) -> None:
+        """`refresh`, with a missing grant or a permanent error told apart at once."""
         try:
             await self.refresh()
         except asyncpg.InsufficientPrivilegeError as exc:
@@ -132,16 +159,6 @@ class Flow:
         except TRANSIENT_ERRORS as exc:
             check_permanent(exc, "reading the topic controls")
             raise
-        task_status.started()
-        while True:
-            with anyio.move_on_after(REFRESH * random.uniform(0.8, 1.0)):
-                await self._stale.wait()
-            self._stale = anyio.Event()
-            try:
-                await self.refresh()
-            except TRANSIENT_ERRORS as exc:
-                check_permanent(exc, "reading the topic controls")
-                logger.debug("reading the topic controls failed: %s", exc)
 
     async def refresh(self) -> None:
         rows = await bounded(
