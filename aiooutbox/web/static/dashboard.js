@@ -7,7 +7,8 @@
   var body = document.body;
   var main = document.getElementById("live");
   var state = document.getElementById("live-state");
-  if (!body || !main || !window.EventSource) { return; }
+  // no data-live: the answer to a POST, whose URL takes no GET (nothing to refetch)
+  if (!body || !main || !window.EventSource || !body.getAttribute("data-live")) { return; }
   var shown = body.getAttribute("data-pulse");  // what the page's data is current to
   var latest = shown;  // the newest pulse the server pushed
   var interval = parseInt(body.getAttribute("data-refresh"), 10) || 2000;
