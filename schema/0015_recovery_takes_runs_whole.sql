@@ -46,6 +46,7 @@ DECLARE
     statuses TEXT[];
     workers TEXT[];
     keys TEXT[];
+    held TEXT[];
 BEGIN
     IF p_worker IS NULL THEN
         ids := ARRAY(SELECT c.id FROM "{{schema}}"."{{table}}" AS c
@@ -81,12 +82,14 @@ BEGIN
         -- call (its lease still runs: its worker runs the rest of the run and will write
         -- the late outcomes; or another transaction holds it now), none of it goes back
         -- (rows taken but left for later stay locked only until this transaction ends)
+        -- (the held keys first, through the key index: asked per row, as a NOT EXISTS,
+        -- PostgreSQL 18 planned it as a hashed subplan over the whole table)
+        held := ARRAY(SELECT DISTINCT o.ordering_key FROM "{{schema}}"."{{table}}" AS o
+                      WHERE o.ordering_key = ANY (keys) AND o.status = 'processing'
+                        AND NOT (o.id = ANY (ids)));
         ids := ARRAY(SELECT r.id FROM "{{schema}}"."{{table}}" AS r
                      WHERE r.id = ANY (ids)
-                       AND NOT (r.ordering_key IS NOT NULL AND EXISTS (
-                           SELECT 1 FROM "{{schema}}"."{{table}}" o
-                           WHERE o.ordering_key = r.ordering_key AND o.status = 'processing'
-                             AND NOT (o.id = ANY (ids)))));
+                       AND (r.ordering_key IS NULL OR NOT (r.ordering_key = ANY (held))));
         IF cardinality(ids) = 0 THEN
             RETURN;
         END IF;
