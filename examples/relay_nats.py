@@ -21,31 +21,37 @@ import aiooutbox
 from aiooutbox.relay import NatsSink
 
 
-async def main(dsn: str, url: str = "nats://127.0.0.1:4222", stream: str = "ORDERS") -> list[Any]:
+async def main(
+    dsn: str, url: str = "nats://127.0.0.1:4222", stream: str = "ORDERS", prefix: str = "orders"
+) -> list[Any]:
     import nats
     from nats.js.api import StreamConfig
 
     nc = await nats.connect(url)
-    js = nc.jetstream()
-    await js.add_stream(StreamConfig(name=stream, subjects=["orders.>"]))
-    async with asyncpg.create_pool(dsn, min_size=1, max_size=4) as pool:
-        await aiooutbox.migrate(pool)
-        async with pool.acquire() as conn, conn.transaction():
-            for order in (1, 2, 3):
-                await aiooutbox.enqueue(conn, "orders.created", {"order_id": order})
-        async with NatsSink(url) as sink, aiooutbox.OutboxConsumer(pool) as consumer:
-            task = asyncio.ensure_future(consumer.run({"*": sink}))  # "*": every topic
-            while consumer.stats.done < 3:  # noqa: ASYNC110 - a demo, not a library
-                await asyncio.sleep(0.05)
-            consumer.stop()
-            await task
-    sub = await js.pull_subscribe("orders.>", stream=stream)
-    messages = await sub.fetch(3, timeout=5)
-    for msg in messages:
-        print(msg.subject, msg.headers["Nats-Msg-Id"], msg.data.decode())
-        await msg.ack()
-    await js.delete_stream(stream)
-    await nc.close()
+    try:
+        js = nc.jetstream()
+        await js.add_stream(StreamConfig(name=stream, subjects=[f"{prefix}.>"]))
+        try:
+            async with asyncpg.create_pool(dsn, min_size=1, max_size=4) as pool:
+                await aiooutbox.migrate(pool)
+                async with pool.acquire() as conn, conn.transaction():
+                    for order in (1, 2, 3):
+                        await aiooutbox.enqueue(conn, f"{prefix}.created", {"order_id": order})
+                async with NatsSink(url) as sink, aiooutbox.OutboxConsumer(pool) as consumer:
+                    task = asyncio.ensure_future(consumer.run({"*": sink}))  # "*": every topic
+                    while consumer.stats.done < 3:  # noqa: ASYNC110 - a demo, not a library
+                        await asyncio.sleep(0.05)
+                    consumer.stop()
+                    await task
+            sub = await js.pull_subscribe(f"{prefix}.>", stream=stream)
+            messages = await sub.fetch(3, timeout=5)
+            for msg in messages:
+                print(msg.subject, msg.headers["Nats-Msg-Id"], msg.data.decode())
+                await msg.ack()
+        finally:
+            await js.delete_stream(stream)
+    finally:
+        await nc.close()
     return messages
 
 

@@ -195,7 +195,11 @@ async def test_worker_runs_under_the_standalone_runner(
     )
     try:
         event_id = await aiooutbox.enqueue(pool, "orders.cancelled", {"order_id": 9})
-        await eventually(lambda: _status_is(pool, event_id, "done"), "the runner to publish")
+        # a fresh interpreter imports, connects and checks the schema first: seconds on a
+        # loaded machine
+        await eventually(
+            lambda: _status_is(pool, event_id, "done"), "the runner to publish", timeout=60
+        )
         runner.send_signal(signal.SIGTERM)
         output, _ = await asyncio.wait_for(runner.communicate(), TIMEOUT)
         assert runner.returncode == 0, output.decode()

@@ -131,7 +131,10 @@ async def test_max_running_holds_across_three_processes_and_is_used(
     )
     assert overlap <= limit
     assert max(seen) <= limit
-    assert average >= 0.8 * limit
+    # the limit is used, not just never exceeded: 3.3-3.7 of 4 on a quiet machine, 3.06
+    # at a load average of 10 on two cores (each gap between a run's end and the next
+    # claim grows with the load); one worker at a time would be 1
+    assert average >= 0.6 * limit
     assert workers == 3
 
 
