@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
 import sys
 import time
@@ -64,7 +65,8 @@ async def _dataset(bench: Any, done: int, pending: int) -> tuple[str, bool]:
             rows = await conn.fetchval(
                 "SELECT reltuples FROM pg_class WHERE oid = 'outbox_events'::regclass"
             )
-            if abs(rows - done - pending) < 0.02 * (done + pending):
+            expected = done + pending + dashboard_data.EXTRA_ROWS
+            if abs(rows - expected) < 0.02 * expected:
                 return dsn, True
         finally:
             await conn.close()
@@ -87,7 +89,12 @@ async def pages(bench: Any, done: int, pending: int, repeat: int) -> dict[str, A
     pool = await asyncpg.create_pool(
         dsn, min_size=1, max_size=4, server_settings={"jit": "off", "statement_timeout": "10s"}
     )
-    out: dict[str, Any] = {"rows": done + pending, "reused_dataset": reused, "pages": {}}
+    out: dict[str, Any] = {
+        "rows": done + pending,
+        "reused_dataset": reused,
+        "pages": {},
+        "loadavg_start": list(os.getloadavg()),  # the machine is shared: say how busy
+    }
     try:
         done_id = await pool.fetchval("SELECT max(id) FROM outbox_events WHERE id < 9000000")
         waiting_id = await pool.fetchval(
@@ -121,6 +128,7 @@ async def pages(bench: Any, done: int, pending: int, repeat: int) -> dict[str, A
         await dashboard.aclose()
     finally:
         await pool.close()
+    out["loadavg_end"] = list(os.getloadavg())
     return out
 
 
@@ -237,6 +245,7 @@ async def drain_with_dashboard(bench: Any, n: int, rounds: int, browsers: int) -
     system = bench.systems[NAME]
     runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
     seen: list[dict[str, Any]] = []
+    load_start = list(os.getloadavg())
     for r in range(rounds):
         for variant in ("off", "on") if r % 2 == 0 else ("on", "off"):
             label = f"r{r + 1} {'dashboard' if variant == 'on' else 'no dashboard'} "
@@ -295,6 +304,8 @@ async def drain_with_dashboard(bench: Any, n: int, rounds: int, browsers: int) -
         "dashboard_process_cpu_share": round(median(process_per_s), 4),
         "pulse": cost,
         "ratio": round(ratio, 3),
+        "loadavg_start": load_start,
+        "loadavg_end": list(os.getloadavg()),
     }
 
 
