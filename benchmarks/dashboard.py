@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import re
 import sys
@@ -246,9 +247,15 @@ async def drain_with_dashboard(bench: Any, n: int, rounds: int, browsers: int) -
     runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
     seen: list[dict[str, Any]] = []
     load_start = list(os.getloadavg())
+    # this process's own CPU per drain: the drain's monitoring both ways, and on the
+    # dashboard's rounds the simulated browsers too (a real browser runs elsewhere)
+    bench_cpu: dict[str, list[float]] = {"off": [], "on": []}
+    loads: list[float] = []  # the 1-minute load average as each round began
     for r in range(rounds):
+        loads.append(round(os.getloadavg()[0], 2))
         for variant in ("off", "on") if r % 2 == 0 else ("on", "off"):
             label = f"r{r + 1} {'dashboard' if variant == 'on' else 'no dashboard'} "
+            cpu_before = time.process_time()
             if variant == "on":
                 async with (
                     open_dashboard(system.dsn, browsers) as stats,
@@ -269,11 +276,13 @@ async def drain_with_dashboard(bench: Any, n: int, rounds: int, browsers: int) -
                 )
             else:
                 result = await bench.drain_once(system, n, label=label)
+            bench_cpu[variant].append(round(time.process_time() - cpu_before, 3))
             runs[variant].append(result)
     on = [x["rate"] for x in runs["on"]]
     off = [x["rate"] for x in runs["off"]]
     ratio = median(on) / median(off)
     pairs = [a / b for a, b in zip(on, off, strict=True)]
+    geomean = math.exp(sum(math.log(p) for p in pairs) / len(pairs))
     process_per_s = [x["process_cpu_ms"] / 1000 / x["wall_s"] for x in seen]
     cpu_per_s = [
         x["dashboard_db_cpu_s"] / x["wall_s"] for x in seen if x["dashboard_db_cpu_s"] is not None
@@ -281,7 +290,8 @@ async def drain_with_dashboard(bench: Any, n: int, rounds: int, browsers: int) -
     cost = await pulse_cost(system.dsn)
     bench.log(
         f"  drain with a dashboard open / without: {ratio:.3f} (medians {median(on):,.0f}"
-        f" vs {median(off):,.0f}/s; per round {min(pairs):.3f}-{max(pairs):.3f})"
+        f" vs {median(off):,.0f}/s; per round {min(pairs):.3f}-{max(pairs):.3f},"
+        f" their geometric mean {geomean:.3f})"
     )
     bench.log(
         f"  the dashboard's database CPU: {median(cpu_per_s) * 100:.2f}% of a core"
@@ -297,6 +307,10 @@ async def drain_with_dashboard(bench: Any, n: int, rounds: int, browsers: int) -
         "rates_off": off,
         "rates_on": on,
         "round_ratios": [round(p, 3) for p in pairs],
+        "round_ratios_geomean": round(geomean, 3),
+        "round_loadavg": loads,
+        "bench_cpu_off_s": bench_cpu["off"],
+        "bench_cpu_on_s": bench_cpu["on"],
         "db_cpu_off_s": [x["db_cpu_s"] for x in runs["off"]],
         "db_cpu_on_s": [x["db_cpu_s"] for x in runs["on"]],
         "dashboard": seen,
