@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
+import os
 import re
 import sys
 import time
@@ -64,7 +66,8 @@ async def _dataset(bench: Any, done: int, pending: int) -> tuple[str, bool]:
             rows = await conn.fetchval(
                 "SELECT reltuples FROM pg_class WHERE oid = 'outbox_events'::regclass"
             )
-            if abs(rows - done - pending) < 0.02 * (done + pending):
+            expected = done + pending + dashboard_data.EXTRA_ROWS
+            if abs(rows - expected) < 0.02 * expected:
                 return dsn, True
         finally:
             await conn.close()
@@ -87,7 +90,12 @@ async def pages(bench: Any, done: int, pending: int, repeat: int) -> dict[str, A
     pool = await asyncpg.create_pool(
         dsn, min_size=1, max_size=4, server_settings={"jit": "off", "statement_timeout": "10s"}
     )
-    out: dict[str, Any] = {"rows": done + pending, "reused_dataset": reused, "pages": {}}
+    out: dict[str, Any] = {
+        "rows": done + pending,
+        "reused_dataset": reused,
+        "pages": {},
+        "loadavg_start": list(os.getloadavg()),  # the machine is shared: say how busy
+    }
     try:
         done_id = await pool.fetchval("SELECT max(id) FROM outbox_events WHERE id < 9000000")
         waiting_id = await pool.fetchval(
@@ -121,6 +129,7 @@ async def pages(bench: Any, done: int, pending: int, repeat: int) -> dict[str, A
         await dashboard.aclose()
     finally:
         await pool.close()
+    out["loadavg_end"] = list(os.getloadavg())
     return out
 
 
@@ -237,9 +246,16 @@ async def drain_with_dashboard(bench: Any, n: int, rounds: int, browsers: int) -
     system = bench.systems[NAME]
     runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
     seen: list[dict[str, Any]] = []
+    load_start = list(os.getloadavg())
+    # this process's own CPU per drain: the drain's monitoring both ways, and on the
+    # dashboard's rounds the simulated browsers too (a real browser runs elsewhere)
+    bench_cpu: dict[str, list[float]] = {"off": [], "on": []}
+    loads: list[float] = []  # the 1-minute load average as each round began
     for r in range(rounds):
+        loads.append(round(os.getloadavg()[0], 2))
         for variant in ("off", "on") if r % 2 == 0 else ("on", "off"):
             label = f"r{r + 1} {'dashboard' if variant == 'on' else 'no dashboard'} "
+            cpu_before = time.process_time()
             if variant == "on":
                 async with (
                     open_dashboard(system.dsn, browsers) as stats,
@@ -260,11 +276,13 @@ async def drain_with_dashboard(bench: Any, n: int, rounds: int, browsers: int) -
                 )
             else:
                 result = await bench.drain_once(system, n, label=label)
+            bench_cpu[variant].append(round(time.process_time() - cpu_before, 3))
             runs[variant].append(result)
     on = [x["rate"] for x in runs["on"]]
     off = [x["rate"] for x in runs["off"]]
     ratio = median(on) / median(off)
     pairs = [a / b for a, b in zip(on, off, strict=True)]
+    geomean = math.exp(sum(math.log(p) for p in pairs) / len(pairs))
     process_per_s = [x["process_cpu_ms"] / 1000 / x["wall_s"] for x in seen]
     cpu_per_s = [
         x["dashboard_db_cpu_s"] / x["wall_s"] for x in seen if x["dashboard_db_cpu_s"] is not None
@@ -272,7 +290,8 @@ async def drain_with_dashboard(bench: Any, n: int, rounds: int, browsers: int) -
     cost = await pulse_cost(system.dsn)
     bench.log(
         f"  drain with a dashboard open / without: {ratio:.3f} (medians {median(on):,.0f}"
-        f" vs {median(off):,.0f}/s; per round {min(pairs):.3f}-{max(pairs):.3f})"
+        f" vs {median(off):,.0f}/s; per round {min(pairs):.3f}-{max(pairs):.3f},"
+        f" their geometric mean {geomean:.3f})"
     )
     bench.log(
         f"  the dashboard's database CPU: {median(cpu_per_s) * 100:.2f}% of a core"
@@ -288,6 +307,10 @@ async def drain_with_dashboard(bench: Any, n: int, rounds: int, browsers: int) -
         "rates_off": off,
         "rates_on": on,
         "round_ratios": [round(p, 3) for p in pairs],
+        "round_ratios_geomean": round(geomean, 3),
+        "round_loadavg": loads,
+        "bench_cpu_off_s": bench_cpu["off"],
+        "bench_cpu_on_s": bench_cpu["on"],
         "db_cpu_off_s": [x["db_cpu_s"] for x in runs["off"]],
         "db_cpu_on_s": [x["db_cpu_s"] for x in runs["on"]],
         "dashboard": seen,
@@ -295,6 +318,8 @@ async def drain_with_dashboard(bench: Any, n: int, rounds: int, browsers: int) -
         "dashboard_process_cpu_share": round(median(process_per_s), 4),
         "pulse": cost,
         "ratio": round(ratio, 3),
+        "loadavg_start": load_start,
+        "loadavg_end": list(os.getloadavg()),
     }
 
 

@@ -19,6 +19,9 @@ import aiooutbox
 
 TOPICS = 50
 CHUNK = 250_000
+# the rows `populate` writes beside the done and pending ones: 2,000 dead, 1,000 retry,
+# 200 processing, 500 ordered keys of 11
+EXTRA_ROWS = 2_000 + 1_000 + 200 + 500 * 11
 
 Log = Callable[[str], None]
 

@@ -260,6 +260,48 @@ async def test_flow_scenario_runs_at_tiny_sizes(pg_server: str, tmp_path: Path) 
         assert needle in whats, needle
 
 
+@pytest.mark.slow  # a dashboard server, consumer children
+async def test_dashboard_scenario_runs_at_tiny_sizes(pg_server: str, tmp_path: Path) -> None:
+    """`--only dashboard` beside a few thousand rows: every page answered and was timed,
+    the big database is reused when it holds the dataset, and the drain with a
+    dashboard open ran both ways."""
+    from benchmarks import dashboard
+    from benchmarks.common import drop_database
+
+    config = tiny("dashboard")
+    config.dashboard_done, config.dashboard_pending, config.dashboard_repeat = 3_000, 1_000, 2
+    config.dashboard_drain, config.dashboard_rounds = 300, 1
+    prefix = f"bsmoke_{uuid.uuid4().hex[:8]}_"
+    steps: list[str] = []
+    bench = Bench(pg_server, config, prefix=prefix, log=steps.append)
+    try:
+        results = await bench.run()
+        again = await dashboard.pages(bench, 3_000, 1_000, 1)
+    finally:
+        await bench.cleanup()
+        await drop_database(pg_server, f"{prefix}aiooutbox_dashboard")
+    paths = report.write(results, tmp_path, plots=False)
+    loaded = json.loads(paths["json"].read_text())
+    board = loaded["dashboard"]
+    assert board["rows"] == 4_000 and board["reused_dataset"] is False, steps
+    assert again["reused_dataset"] is True, steps
+    names = [name for name, *_ in dashboard.PAGES]
+    for timed in (board["pages"], again["pages"]):
+        assert list(timed) == names
+        for row in timed.values():
+            assert positive(row["median_ms"]) and row["max_ms"] >= row["median_ms"], row
+    assert len(board["loadavg_start"]) == len(board["loadavg_end"]) == 3
+    drain = board["drain"]
+    assert drain["events"] == 300 and len(drain["rates_on"]) == len(drain["rates_off"]) == 1
+    assert all(positive(r) for r in drain["rates_on"] + drain["rates_off"]), drain
+    assert positive(drain["ratio"]) and positive(drain["pulse"]["server_ms"]), drain
+    (seen,) = drain["dashboard"]
+    assert seen["streams"] == drain["browsers"] and seen["pulses"] >= 1, seen
+    markdown = paths["markdown"].read_text()
+    assert "## Dashboard pages beside 4,000 rows" in markdown, markdown
+    assert "with a dashboard open / without" in markdown, markdown
+
+
 def test_cli_parses_the_documented_command() -> None:
     args = parse(["--dsn", "postgresql://postgres@127.0.0.1:5432/postgres", "--quick"])
     assert args.quick and not args.full and args.out == Path("benchmarks/results")

@@ -18,12 +18,13 @@ from starlette.routing import Route
 
 from .. import admin
 from ._auth import Permission, same_origin
-from ._counts import exact
+from ._counts import Count, exact
 from ._data import count_matching
 from ._filters import EventFilter, parse_filter
 from ._render import dashboard_of, render, url
+from ._sql import WebQueries
 
-__all__ = ["routes"]
+__all__ = ["count_to_confirm", "routes"]
 
 ACTIONS = ("retry", "purge")
 MAX_SELECTED = 10_000
@@ -81,6 +82,22 @@ def _selection(form: FormData) -> tuple[str, list[int] | None, EventFilter]:
     return str(action), ids, f
 
 
+async def count_to_confirm(
+    conn: Any, w: WebQueries, ids: list[int] | None, f: EventFilter
+) -> tuple[int | None, list[int], Count]:
+    """What the confirmation shows: the newest id (a filter acts on no row above it), the
+    dead ones of a selection, and how many rows the action would touch (the plan tests
+    check these statements at scale)."""
+    max_id = await conn.fetchval(f"SELECT max(id) FROM {w.t}")
+    if ids is not None:
+        statuses = await admin.event_statuses(
+            conn, ids, schema=w.outbox.schema, table=w.outbox.table
+        )
+        dead = [i for i in ids if statuses.get(i) == "dead"]
+        return max_id, dead, exact(len(dead))
+    return max_id, [], await count_matching(conn, w, replace(f, before=None, max_id=max_id))
+
+
 async def confirm(request: Request) -> Response:
     """Show what an action would touch and ask; changes nothing."""
     d = dashboard_of(request)
@@ -89,17 +106,7 @@ async def confirm(request: Request) -> Response:
     except Refused as exc:
         return await render(request, "refused.html", status_code=exc.status, reason=exc.reason)
     async with d.connection() as conn:
-        max_id = await conn.fetchval(f"SELECT max(id) FROM {d.w.t}")
-        if ids is not None:
-            statuses = await admin.event_statuses(
-                conn, ids, schema=d.w.outbox.schema, table=d.w.outbox.table
-            )
-            dead = [i for i in ids if statuses.get(i) == "dead"]
-            matching = exact(len(dead))
-        else:
-            dead = []
-            bounded = replace(f, before=None, max_id=max_id)
-            matching = await count_matching(conn, d.w, bounded)
+        max_id, dead, matching = await count_to_confirm(conn, d.w, ids, f)
     return await render(
         request,
         "confirm.html",

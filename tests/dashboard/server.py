@@ -1,5 +1,7 @@
 """Start ``python -m aiooutbox dashboard`` as a subprocess (a real uvicorn server) on a
-free port, and read the address from its startup line."""
+free port, and read the address from its startup line; or serve an app made by
+`aiooutbox.web.create_app` with uvicorn inside the test's own event loop, so that the
+test can read the app's state (its live hub's counters) while browsers use it."""
 
 from __future__ import annotations
 
@@ -7,9 +9,11 @@ import asyncio
 import contextlib
 import re
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from tests.clirunner import ROOT, clean_env
 
@@ -87,3 +91,32 @@ async def dashboard(
 async def _drain(stream: asyncio.StreamReader, seen: list[str]) -> None:
     while raw := await stream.readline():
         seen.append(raw.decode())
+
+
+@contextlib.asynccontextmanager
+async def in_process(app: Any) -> AsyncIterator[str]:
+    """``app`` served by uvicorn in this event loop on a free loopback port, for the
+    block; yields its URL (ends with /). The app's lifespan runs (its shutdown closes the
+    dashboard's live hub)."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=3
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        async with asyncio.timeout(30):
+            while not server.started:  # uvicorn has no started event
+                if task.done():
+                    await task
+                    raise AssertionError("uvicorn stopped before it served")
+                await asyncio.sleep(0.02)
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 30)
+        sock.close()

@@ -14,8 +14,9 @@ import asyncpg
 import pytest
 
 import aiooutbox
+from aiooutbox.web import create_app
 from tests.dashboard.browser import browser_page, screenshot
-from tests.dashboard.server import dashboard
+from tests.dashboard.server import dashboard, in_process
 from tests.helpers import insert_unchecked, running, wait_until
 
 pytestmark = pytest.mark.slow
@@ -264,39 +265,101 @@ async def test_a_new_event_appears_without_a_reload(dsn: str) -> None:
         await conn.close()
 
 
+INTERVAL = 0.5  # the live interval of the pulse test (seconds)
+WINDOW = 6.0  # each counted window: twelve intervals
+
+
 async def test_the_pulse_is_one_query_per_interval_for_any_number_of_pages(dsn: str) -> None:
-    """Five open pages cost the same pulse queries as one: counted in pg_stat_statements
-    would need an extension; count the dashboard's sessions' statements instead.
+    """One open page and five open pages (real Chromium pages, each with its own
+    server-sent event stream) cost the database the same: one pulse statement per
+    interval, nothing else while nothing changes. Counted exactly: the app runs in this
+    process, so the test reads its live hub's count of pulses, and every statement its
+    pool sends is logged on the client side (asyncpg's query logger), so the count is
+    checked against what the database was actually asked.
 
-    Those counters lag: a backend publishes its statistics at the end of a transaction
-    only when its last flush is a second old, and an idle one holds them up to ten
-    seconds (PGSTAT_MIN_INTERVAL, PGSTAT_IDLE_INTERVAL). With the dashboard's pool
-    rotating four connections, a reading may miss several seconds of pulses, and the
-    page loads before the window may land inside it (a window of five seconds read
-    1 -> 20 in CI). So the window is long and the bounds wide: one pulse per interval
-    is ~24 in twelve seconds, one per page would be ~120."""
-    conn = await asyncpg.connect(dsn)
+    The bound is exact, not a timing guess: the hub's loop waits out the rest of each
+    interval after a pulse, so a window of T seconds holds at most T / interval + 2
+    pulses (+1 for the window's edges, +1 for a slow pulse finishing just inside it),
+    however loaded the machine; one pulse per page would be five times that. Below, a
+    generous floor only shows the loop kept running (a stall of most of a window under
+    load does not fail the test's point, so the floor is a third)."""
+    sent: list[str] = []
+
+    async def log_queries(conn: asyncpg.Connection) -> None:
+        conn.add_query_logger(lambda q: sent.append(q.query))
+
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=4, init=log_queries)
+    app = create_app(pool=pool, refresh=INTERVAL)
+    hub = app.state.dashboard.hub
+    pulse_sql = app.state.dashboard.w.pulse
     try:
-        async with dashboard(dsn) as d, browser_page() as w:
-            pages = [w.page] + [await w.page.context.new_page() for _ in range(4)]
-            for p in pages:
-                await p.goto(d.at("/audit"))  # a page that reads nothing big
-            await asyncio.sleep(2.0)
-            before = await _pulses(conn)
-            await asyncio.sleep(12.0)
-            after = await _pulses(conn)
-        # --refresh 0.5s: ~24 pulses in twelve seconds, whatever the page count; the
-        # bounds allow ten seconds of flush lag at either end and the page loads' scans
-        assert 2 <= after - before <= 60, (before, after)
+        async with in_process(app) as url, browser_page() as w:
+            await w.page.goto(url + "audit")
+            await wait_until(lambda: _listening(hub, 1))
+            one = await _window(hub, sent, pulse_sql, pages=1)
+            pages = [w.page]
+            for view in ("", "events", "dead", "consumers"):
+                page = await w.page.context.new_page()
+                await page.goto(url + view)
+                pages.append(page)
+            await wait_until(lambda: _listening(hub, 5))
+            five = await _window(hub, sent, pulse_sql, pages=5)
+            measured = f"one page: {one}; five pages: {five}"
+            for found in (one, five):
+                ceiling = found["seconds"] / INTERVAL + 2
+                assert found["pulses"] <= ceiling, measured
+                assert found["pulses"] >= found["seconds"] / INTERVAL / 3, measured
+                # the database saw the pulses and nothing else (the pool's reset on
+                # release aside: one per pulse, same connection, no table read)
+                assert found["other"] == [], measured
+                assert abs(found["sent"] - found["pulses"]) <= 1, measured
+                assert found["listeners"] == found["pages"], measured
+                assert not found["changed"], measured  # nothing wrote: no page refetched
+            # and they are live: one change reaches every page, which fetches its view
+            shown = [await p.get_attribute("body", "data-refreshed") for p in pages]
+            conn = await asyncpg.connect(dsn)
+            try:
+                await aiooutbox.enqueue(conn, "orders.created", {"n": 1})
+            finally:
+                await conn.close()
+
+            async def all_refreshed() -> bool:
+                now = [await p.get_attribute("body", "data-refreshed") for p in pages]
+                return all(a != b for a, b in zip(now, shown, strict=True))
+
+            await wait_until(all_refreshed, timeout=30)
+        # over the whole run (the server stopped): every pulse the hub counted is a
+        # statement the database ran, and no other pulse ran
+        ran = sum(1 for q in sent if q == pulse_sql)
+        assert ran == hub.polls, (ran, hub.polls, measured)
+        print(measured)
     finally:
-        await conn.close()
+        await pool.close()
 
 
-async def _pulses(conn: asyncpg.Connection) -> int:
-    # pg_stat_user_tables counts scans of the audit table's primary key: the pulse reads
-    # max(id) there once per run, and nothing else touches it while pages sit idle
-    value = await conn.fetchval(
-        "SELECT idx_scan FROM pg_stat_user_indexes WHERE indexrelname = 'outbox_events_audit_pkey'"
-    )
-    await conn.execute("SELECT pg_stat_clear_snapshot()")
-    return int(value or 0)
+async def _listening(hub: Any, n: int) -> bool:
+    return bool(hub.listeners == n)
+
+
+async def _window(hub: Any, sent: list[str], pulse_sql: str, *, pages: int) -> dict[str, Any]:
+    """Pulses the hub ran and statements the pool sent over `WINDOW` seconds, after the
+    pages' loads have settled."""
+    await asyncio.sleep(2 * INTERVAL)
+    loop = asyncio.get_running_loop()
+    polls, first, started, pulse = hub.polls, len(sent), loop.time(), hub.pulse
+    await asyncio.sleep(WINDOW)
+    statements = sent[first:]
+    return {
+        "pages": pages,
+        "listeners": hub.listeners,
+        "seconds": round(loop.time() - started, 2),
+        "pulses": hub.polls - polls,
+        "sent": sum(1 for q in statements if q == pulse_sql),
+        "other": sorted({q for q in statements if q != pulse_sql and not _reset(q)}),
+        "changed": hub.pulse != pulse,
+    }
+
+
+def _reset(query: str) -> bool:
+    # asyncpg's pool resets a connection on release (RESET ALL, UNLISTEN, ...)
+    return "RESET ALL" in query
