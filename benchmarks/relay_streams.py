@@ -329,7 +329,9 @@ def markdown(relay: dict[str, Any]) -> str:
     for name in names:
         row = relay[name]
         on, off = median(row["relay_per_s"]), median(row["relay_no_read_back_per_s"])
-        for variant in row["ratios"]:
+        if "ratios" not in row:  # the relays alone (`read_back_only`)
+            lines.append(f"| {name} | | | {on:,.0f} | | {off:,.0f} | |")
+        for variant in row.get("ratios", ()):
             base = median(row[f"{variant}_per_s"])
             lines.append(
                 f"| {name} | {variant} | {base:,.0f} | {on:,.0f} | {on / base:.2f} "
@@ -402,7 +404,22 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")
-    log(f"wrote {args.out}")
+    write_markdown(results, args.out.with_suffix(".md"))
+    log(f"wrote {args.out} and its .md")
+
+
+def write_markdown(results: dict[str, Any], path: Path) -> None:
+    """`read_back_only`'s results as markdown: the tables, the run, the load."""
+    run, load = results["run"], results["load_average"]
+    path.write_text(
+        markdown(results).lstrip()
+        + f"\n- command: `{run['command']}`; started {run['started']}, took {run['seconds']} s"
+        + f"\n- aiooutbox: {run['aiooutbox']}; {run['cpus']} CPUs; load average at start "
+        + " / ".join(f"{x:.1f}" for x in load["start"])
+        + ", at end "
+        + " / ".join(f"{x:.1f}" for x in load["end"])
+        + " (a shared machine)\n"
+    )
 
 
 if __name__ == "__main__":
