@@ -330,7 +330,8 @@ def markdown(relay: dict[str, Any]) -> str:
         row = relay[name]
         on, off = median(row["relay_per_s"]), median(row["relay_no_read_back_per_s"])
         if "ratios" not in row:  # the relays alone (`read_back_only`)
-            lines.append(f"| {name} | | | {on:,.0f} | | {off:,.0f} | |")
+            sink = row.get("sink_in_flight", row["in_flight"])
+            lines.append(f"| {name} (sink at {sink} in flight) | | | {on:,.0f} | | {off:,.0f} | |")
         for variant in row.get("ratios", ()):
             base = median(row[f"{variant}_per_s"])
             lines.append(
@@ -386,7 +387,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--out", type=Path, required=True, help="the JSON written")
     args = parser.parse_args()
-    started = time.perf_counter()
+    started, at = time.perf_counter(), datetime.now(UTC)
 
     def log(message: str) -> None:
         print(f"[{time.perf_counter() - started:7.1f}s] {message}", flush=True)
@@ -397,7 +398,7 @@ def main() -> None:
     ).stdout.strip()
     results["run"] = {
         "command": "python -m benchmarks.relay_streams " + " ".join(sys.argv[1:]),
-        "started": datetime.now(UTC).isoformat(timespec="seconds"),
+        "started": at.isoformat(timespec="seconds"),
         "seconds": round(time.perf_counter() - started, 1),
         "aiooutbox": commit,
         "cpus": os.cpu_count(),
