@@ -10,15 +10,19 @@ stream of its own deleted after every step and at the end.
   message ids, encoded per message as the sink must), acks awaited, 256 in flight.
   Kafka: ``tasks`` is 256 tasks each awaiting aiokafka's ``send_and_wait`` in turn;
   ``pipelined`` is one loop through ``send`` with at most 256 deliveries pending. Redis:
-  ``tasks`` is 256 tasks each awaiting its ``XADD`` (redis-py's pool: a connection
-  each, as the sink's); ``pipelined`` sends 256 ``XADD`` in one non-transactional
-  pipeline and awaits the replies before the next 256. The producer is the sink's:
+  ``tasks`` is 256 tasks each awaiting its ``XADD`` on a connection of its own (the
+  sink's pool holds redis-py's default 100, below); ``pipelined`` sends 256 ``XADD``
+  in one non-transactional pipeline and awaits the replies before the next 256. The
+  Kafka producer is the sink's:
   ``acks="all"``, ``linger_ms=1``, no idempotence (Tansu's memory store refuses it).
 - **relay**: `KafkaSink` / `RedisSink` at their defaults (``read_back=True``) with
   ``max_in_flight=256``, the consumer at concurrency 512, as JetStream's and RabbitMQ's;
   **relay_no_read_back**: the same with ``read_back=False``. Every event is a first
   attempt, so the read-back on / off ratio is what read-back costs on the normal path
-  (the target: at least 0.95); the look-ups made are counted (0 expected).
+  (the target: at least 0.95); the look-ups made are counted (0 expected). A Redis
+  sink at 256 in flight has the publishes beyond its pool's 100 connections refused
+  (``MaxConnectionsError``), held as an outage and retried after a pause: counted as
+  ``republished``, and they move its rate more than anything else here.
 
 ``python -m benchmarks.relay_streams --dsn ... --rounds 12 --out F.json`` measures the
 two relays alone (no bare loops: more rounds in the same time, for that ratio).
