@@ -17,6 +17,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from . import report
 from .common import settings_argument
@@ -176,6 +177,22 @@ def config_from(args: argparse.Namespace) -> Config:
     return config
 
 
+def write(results: dict[str, Any], out: Path, *, plots: bool) -> dict[str, Path]:
+    """`report.write`, with the relay's Kafka and Redis Streams tables added to
+    results.md (`benchmarks.relay_streams`)."""
+    paths = report.write(results, out, plots=plots)
+    if "relay" in results:
+        from .relay_streams import markdown
+
+        extra = markdown(results["relay"])
+        if extra:  # after the other relay tables, before the run's settings
+            text = paths["markdown"].read_text()
+            head, mark, tail = text.partition("\n## Settings\n")
+            text = head + extra + mark + tail if mark else text + extra
+            paths["markdown"].write_text(text)
+    return paths
+
+
 async def amain(args: argparse.Namespace) -> int:
     started = time.perf_counter()
 
@@ -188,7 +205,7 @@ async def amain(args: argparse.Namespace) -> int:
     finally:
         if not args.keep:
             await bench.cleanup()
-    paths = report.write(results, args.out, plots=not args.no_plots)
+    paths = write(results, args.out, plots=not args.no_plots)
     print()
     print(paths["markdown"].read_text().split("\n## Drain")[0])
     for kind, path in paths.items():
@@ -199,7 +216,7 @@ async def amain(args: argparse.Namespace) -> int:
 def render(args: argparse.Namespace) -> int:
     results = json.loads(args.render.read_text())
     out = args.out if args.out != DEFAULT_OUT else args.render.parent
-    for kind, path in report.write(results, out, plots=not args.no_plots).items():
+    for kind, path in write(results, out, plots=not args.no_plots).items():
         print(f"wrote {kind}: {path}")
     return 0
 

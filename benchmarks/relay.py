@@ -1,7 +1,9 @@
 """Relay benchmarks: the relay against bare client loops, in one run, alternated rounds.
 
 ``python -m benchmarks --dsn ... --only relay`` (part of every default run). Needs the
-machine's NATS (JetStream) at 127.0.0.1:4222 and RabbitMQ at 127.0.0.1:5672.
+machine's NATS (JetStream) at 127.0.0.1:4222, RabbitMQ at 127.0.0.1:5672 and Redis at
+127.0.0.1:6379; Kafka is a private Tansu broker. Kafka and Redis Streams, with
+read-back on and off, are in `benchmarks.relay_streams`.
 
 - **JetStream / RabbitMQ ratio**: events/s of an outbox relay (consumer + sink, every
   topic; the sink's ``max_in_flight=256``, the consumer's concurrency 512 so that
@@ -218,15 +220,21 @@ async def _alternate(
     name: str,
     log: Log,
     between: Callable[[], Awaitable[Any]] | None = None,
+    relays: Mapping[str, tuple[Sink, int]] | None = None,
 ) -> dict[str, Any]:
+    """Every bare loop and relay variant once a round, the order reversed every other
+    round. ``relays``: variant -> (sink, consumer concurrency); by default ``relay``
+    (``sink`` at ``PREFETCH * IN_FLIGHT``) and ``relay_c256`` (at ``IN_FLIGHT``)."""
+    if relays is None:
+        relays = {"relay": (sink, PREFETCH * IN_FLIGHT), "relay_c256": (sink, IN_FLIGHT)}
     rates: dict[str, list[float]] = {variant: [] for variant in bares}
-    relays = {"relay": PREFETCH * IN_FLIGHT, "relay_c256": IN_FLIGHT}
     rates.update({variant: [] for variant in relays})
 
     async def relay(variant: str) -> None:
         await _reset(pool)
         await _fill(pool, n)
-        rates[variant].append(n / await _drain(pool, {"*": sink}, n, relays[variant]))
+        to, concurrency = relays[variant]
+        rates[variant].append(n / await _drain(pool, {"*": to}, n, concurrency))
 
     async def bare(variant: str) -> None:
         started = time.perf_counter()
@@ -253,14 +261,15 @@ async def _alternate(
         "bare_loop": best,
         "ratio": round(ratio(medians["relay"], medians[best]), 3),
         "ratios": {v: round(ratio(medians["relay"], medians[v]), 3) for v in bares},
-        "relay_concurrency": relays["relay"],
-        "ratio_c256": round(ratio(medians["relay_c256"], medians[best]), 3),
+        "relay_concurrency": relays["relay"][1],
     }
-    log(
-        f"  {name}: relay / bare ({best}) = {out['ratio']:.2f}"
-        + "".join(f"; / {v} {r:.2f}" for v, r in out["ratios"].items() if v != best)
-        + f"; relay at concurrency {IN_FLIGHT} / bare = {out['ratio_c256']:.2f}"
+    shown = f"  {name}: relay / bare ({best}) = {out['ratio']:.2f}" + "".join(
+        f"; / {v} {r:.2f}" for v, r in out["ratios"].items() if v != best
     )
+    if "relay_c256" in medians:
+        out["ratio_c256"] = round(ratio(medians["relay_c256"], medians[best]), 3)
+        shown += f"; relay at concurrency {IN_FLIGHT} / bare = {out['ratio_c256']:.2f}"
+    log(shown)
     return out
 
 
@@ -377,6 +386,8 @@ async def run(
     log: Log = print,
 ) -> dict[str, Any]:
     """All relay measurements on a database of their own; the results document."""
+    from . import relay_streams
+
     name = prefix + "relay"
     dsn = await recreate_database(admin_dsn, name)
     results: dict[str, Any] = {}
@@ -386,6 +397,8 @@ async def run(
             log(f"relay: {events:,} events, {rounds} alternated rounds, {IN_FLIGHT} in flight")
             results["jetstream"] = await _nats(pool, events, rounds, log)
             results["rabbitmq"] = await _rabbit(pool, events, rounds, log)
+            results["kafka"] = await relay_streams.kafka(pool, events, rounds, log)
+            results["redis"] = await relay_streams.redis(pool, events, rounds, log)
             results["all_topics"] = await _all_topics(pool, events, rounds, log)
             results["latency"] = await _latency(pool, latency_rate, latency_seconds, log)
     finally:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from benchmarks import report
-from benchmarks.__main__ import config_from, parse
+from benchmarks.__main__ import config_from, parse, write
 from benchmarks.scenarios import Bench, Config, latency_grew
 from tests.benchmark_smoke import LIMIT, positive, run_tiny, tiny
 
@@ -300,6 +300,36 @@ async def test_dashboard_scenario_runs_at_tiny_sizes(pg_server: str, tmp_path: P
     markdown = paths["markdown"].read_text()
     assert "## Dashboard pages beside 4,000 rows" in markdown, markdown
     assert "with a dashboard open / without" in markdown, markdown
+
+
+@pytest.mark.slow  # a private Tansu broker, the machine's NATS, RabbitMQ and Redis
+async def test_relay_scenario_runs_at_tiny_sizes(pg_server: str, tmp_path: Path) -> None:
+    config = Config(
+        scenarios=["relay"],
+        tune=False,
+        relay_events=300,
+        relay_rounds=2,
+        relay_latency_rate=200.0,
+        relay_latency_seconds=0.5,
+    )
+    bench = Bench(pg_server, config, prefix=f"bsmoke_{uuid.uuid4().hex[:8]}_", log=lambda _: None)
+    try:
+        results = await bench.run()
+    finally:
+        await bench.cleanup()
+    paths = write(results, tmp_path, plots=False)
+    relay = json.loads(paths["json"].read_text())["relay"]
+    for name in ("jetstream", "rabbitmq", "kafka", "redis"):
+        assert positive(relay[name]["ratio"]), (name, relay[name])
+    for name in ("kafka", "redis"):
+        row = relay[name]
+        assert set(row["ratios"]) == {"tasks", "pipelined"}, row
+        assert len(row["relay_no_read_back_per_s"]) == len(row["read_back_ratios_per_round"]) == 2
+        assert positive(row["read_back_ratio"]) and row["lookups"] == 0, row
+    markdown = paths["markdown"].read_text()
+    relays, settings = markdown.index("## Relay into Kafka"), markdown.index("## Settings")
+    assert markdown.index("## Relay vs bare") < relays < settings, markdown
+    assert "| kafka | pipelined |" in markdown and "| redis | " in markdown, markdown
 
 
 def test_cli_parses_the_documented_command() -> None:
