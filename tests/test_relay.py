@@ -29,7 +29,15 @@ from aiooutbox.relay import (
     sink_for_url,
 )
 from tests.clirunner import clean_env, cli
-from tests.relay.brokers import AMQP_URL, NATS_URL, REDIS_URL, Tansu, free_port, tansu
+from tests.relay.brokers import (
+    AMQP_URL,
+    NATS_URL,
+    REDIS_URL,
+    PrivateRedis,
+    Tansu,
+    free_port,
+    tansu,
+)
 from tests.relay.common import (
     counts,
     fill,
@@ -216,6 +224,35 @@ async def test_redis_message_format_and_maxlen(pool: asyncpg.Pool) -> None:
     finally:
         await client.delete(stream + ":orders.created", stream + ":orders.paid")
         await client.aclose()
+
+
+async def test_redis_past_a_hundred_publishes_in_flight_is_no_outage(
+    pool: asyncpg.Pool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A relay at concurrency 300 with no max_in_flight, against a private Redis that
+    holds every write for a second (`CLIENT PAUSE ... WRITE`): 300 XADDs are in flight
+    at once, more than redis-py's default pool allows (100, whose 101st command fails
+    with MaxConnectionsError: taken for an outage of the healthy server, events held
+    and retried). Publishes past the pool's connections wait for one instead: no
+    "unavailable", every event done on its first attempt."""
+    broker = PrivateRedis()
+    broker.start()
+    client = aioredis.Redis.from_url(broker.url)
+    try:
+        stream = unique("relay:wide:")
+        await client.execute_command("CLIENT", "PAUSE", "1500", "WRITE")
+        await fill(pool, 600, first=0)
+        sink = RedisSink(broker.url, destination=stream)
+        async with relaying(pool, sink, concurrency=300):
+            await wait_done(pool, 600)
+        held = [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
+        assert held == [], held[:3]
+        attempts = await pool.fetch("SELECT attempts, count(*) FROM outbox_events GROUP BY 1")
+        assert [tuple(r) for r in attempts] == [(1, 600)], attempts
+        assert await client.xlen(stream) == 600
+    finally:
+        await client.aclose()
+        broker.destroy()
 
 
 # -- Kafka (Tansu) -------------------------------------------------------------------------

@@ -39,6 +39,9 @@ _BUSY_CLASSES = frozenset(
 )
 #: entries per XRANGE of a look-up
 _PAGE = 2000
+# connections of a sink without max_in_flight: Redis runs one command at a time, so more
+# in flight than this only queue on its side (publishes past it wait for a connection)
+_CONNECTIONS = 100
 
 
 class RedisSink(Sink):
@@ -103,12 +106,19 @@ class RedisSink(Sink):
         return self.url.split("@")[-1] if "@" in self.url else self.url
 
     async def _open(self) -> None:
-        self._client = self._redis.Redis.from_url(
+        # A blocking pool: a publish beyond its connections waits for one (up to
+        # publish_timeout) instead of failing. redis-py's default pool refuses the 101st
+        # concurrent command with MaxConnectionsError (`max_connections=None` means 100
+        # since redis-py 8), which a relay at concurrency 256 took for an outage of a
+        # healthy server: "unavailable", events held, hundreds of retries per run.
+        pool = self._redis.BlockingConnectionPool.from_url(
             self.url,
+            max_connections=self.max_in_flight or _CONNECTIONS,
+            timeout=self.publish_timeout,
             socket_connect_timeout=self.connect_timeout,
             socket_timeout=self.publish_timeout,
-            max_connections=None,
         )
+        self._client = self._redis.Redis.from_pool(pool)  # the client closes its pool
         await self._client.ping()
 
     async def _close(self) -> None:
