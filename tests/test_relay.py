@@ -240,7 +240,7 @@ async def test_redis_past_a_hundred_publishes_in_flight_is_no_outage(
     client = aioredis.Redis.from_url(broker.url)
     try:
         stream = unique("relay:wide:")
-        await client.execute_command("CLIENT", "PAUSE", "1500", "WRITE")
+        await cast(Any, client.client_pause(1500, all=False))  # writes only
         await fill(pool, 600, first=0)
         sink = RedisSink(broker.url, destination=stream)
         async with relaying(pool, sink, concurrency=300):
