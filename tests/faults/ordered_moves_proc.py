@@ -51,16 +51,22 @@ START = (
     "  coalesce(e.status::text || ' ' || e.locked_by || ' attempt ' || e.attempts"
     "   || ' lease ' || round(extract(epoch FROM e.lease_expires_at - clock_timestamp()), 3),"
     "   e.status::text, 'gone')"
+    "  || ', recorded '"
+    "  || round((extract(epoch FROM clock_timestamp()) - $7)::numeric, 3) || ' s in'"
     " FROM (SELECT 1) one LEFT JOIN outbox_events e ON e.id = $1"
     " RETURNING run"
 )
 END = "UPDATE runs SET ended = to_timestamp($2), outcome = $3 WHERE run = $1"
 STALL = "INSERT INTO stalls VALUES ($1, to_timestamp($2), to_timestamp($3), $4)"
-# the consumer's warnings when a lease lapsed, by what it did about it
+# the consumer's warnings when a lease lapsed, by what it did about it, and when it could
+# not write
 LAPSES = {
     "not started": "not started, its lease lapsed",
     "lease lost": "lease lost",
     "outcome not written": "not written: its lease lapsed",
+    # (a heartbeat or a flush that failed, e.g. on a deadlock, is tried again)
+    "heartbeat failed": "lease heartbeat failed",
+    "flush failed": "settlement flush failed",
 }
 
 
