@@ -413,7 +413,7 @@ async def test_order_holds_through_a_sigkilled_consumer_process(
         if count:
             await show(runs, query)
     assert (overlaps, out_of_order) == (0, 0), "two runs of a key overlapped, or ran out of order"
-    # (`seen` tells what the database showed; seen in 2 of 16 runs: an outcome recorded
+    # (`seen` tells what the database showed; seen once in 16 runs: an outcome recorded
     # for a claim that lapsed, written after this consumer claimed the row again at the
     # same attempt, a run member's attempt being given back on recovery)
     assert unheld == 0, "a handler started on a row its worker no longer held"
