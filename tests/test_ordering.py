@@ -2,7 +2,10 @@
 
 The run log is written by the handlers themselves (a row when a run starts, completed
 when it ends) and checked with SQL: no two runs of a key overlap, and every run of an
-event starts after a successful run of each earlier event of its key has ended.
+event starts after a successful run of each earlier event of its key has ended (or a
+run in which it died, for a key that a purge of its dead head moved on). A run that was
+going on while its process's event loop stood still (``stalls``) is the one repeat the
+guarantees allow to overlap what ran elsewhere meanwhile.
 """
 
 from __future__ import annotations
@@ -13,38 +16,59 @@ import os
 import random
 import signal
 import sys
+import time
 
 import asyncpg
 import pytest
 
 import aiooutbox
 from aiooutbox.errors import InvalidArgument
+from tests.faults.ordered_moves_proc import MOVES_DDL
 from tests.faults.ordered_proc import RUNS_DDL
 from tests.helpers import all_in, running, status_counts, truthy, wait_until
+from tests.ordered_moves import DeadHeads, freezes_measured, show
 from tests.ordered_producers import SideTraffic
 
 FAST = aiooutbox.RetryPolicy(base=0.02, max_delay=0.1)
 
-# runs of one key that overlap in time (killed runs, never ended, are left out)
-OVERLAPS = """
-SELECT count(*) FROM runs a JOIN runs b ON a.okey = b.okey AND a.run < b.run
-WHERE a.ended IS NOT NULL AND b.ended IS NOT NULL
+# runs going on while their process's loop stood still for half its lease or longer
+FROZEN = """frozen AS (SELECT DISTINCT r.run FROM runs r JOIN stalls s ON s.worker = r.worker
+    AND s.started < coalesce(r.ended, 'infinity') AND r.started < s.ended)"""
+# runs that overlap in time another run of their key (killed runs, never ended, are left
+# out, and so are the runs a stalled loop held up)
+OVERLAPPING = f"""WITH {FROZEN}
+SELECT unnest(ARRAY[a.run, b.run]) AS run FROM runs a JOIN runs b ON a.okey = b.okey
+WHERE a.run < b.run AND a.ended IS NOT NULL AND b.ended IS NOT NULL
   AND a.started < b.ended AND b.started < a.ended
+  AND a.run NOT IN (SELECT run FROM frozen) AND b.run NOT IN (SELECT run FROM frozen)
 """
 # runs that started before a successful run of an earlier event of their key had ended
 # (earlier: a lower seq from the same producer, `src`; producers of one key that do not
-# serialize with each other get some order between them, never an overlap)
+# serialize with each other get some order between them, never an overlap); a run in
+# which the event died counts as its end (a purge of the dead head moved the key on)
 OUT_OF_ORDER = """
-SELECT count(*) FROM runs r
+SELECT r.run FROM runs r
 WHERE EXISTS (
     SELECT 1 FROM runs p WHERE p.okey = r.okey AND p.src = r.src AND p.seq < r.seq
     GROUP BY p.event_id
-    HAVING NOT bool_or(p.outcome = 'ok' AND p.ended <= r.started))
-   OR EXISTS (  -- an earlier event of the key that never ran successfully at all
+    HAVING NOT bool_or(p.outcome IN ('ok', 'dead') AND p.ended <= r.started))
+   OR EXISTS (  -- an earlier event of the key that never ran to its end at all
     SELECT 1 FROM generate_series(0, r.seq - 1) AS s(seq)
     WHERE NOT EXISTS (SELECT 1 FROM runs p WHERE p.okey = r.okey AND p.src = r.src
-                      AND p.seq = s.seq AND p.outcome = 'ok' AND p.ended <= r.started))
+                      AND p.seq = s.seq AND p.outcome IN ('ok', 'dead')
+                      AND p.ended <= r.started))
 """
+# runs started while the database showed their row as not this worker's, or not
+# processing (a consumer starting more of a claim after its lease lapsed)
+UNHELD = f"""WITH {FROZEN}
+SELECT r.run FROM runs r WHERE r.held IS NOT TRUE AND r.run NOT IN (SELECT run FROM frozen)
+"""
+
+
+async def _count(pool: asyncpg.Pool, runs: str) -> int:
+    """How many runs the query ``runs`` names."""
+    got: int = await pool.fetchval(f"SELECT count(DISTINCT run) FROM ({runs}) x")
+    return got
 
 
 async def _produce(pool: asyncpg.Pool, keys: int, per_key: int) -> None:
@@ -59,13 +83,14 @@ async def _produce(pool: asyncpg.Pool, keys: int, per_key: int) -> None:
 
 
 async def _check(pool: asyncpg.Pool) -> None:
-    assert await pool.fetchval(OVERLAPS) == 0
-    assert await pool.fetchval(OUT_OF_ORDER) == 0
+    assert await _count(pool, OVERLAPPING) == 0
+    assert await _count(pool, OUT_OF_ORDER) == 0
 
 
 @pytest.fixture
 async def runs(pool: asyncpg.Pool) -> asyncpg.Pool:
     await pool.execute(RUNS_DDL)
+    await pool.execute(MOVES_DDL)
     return pool
 
 
@@ -274,95 +299,141 @@ async def test_bad_ordering_keys_are_refused_before_anything_is_written(
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)  # 60-120 s on a loaded shared 2-core machine
+@pytest.mark.timeout(240)  # 60-110 s on a shared 2-core machine, ~170 s beside a copy
 async def test_order_holds_through_a_sigkilled_consumer_process(
     dsn: str, runs: asyncpg.Pool
 ) -> None:
     """150 keys x 40 events, three consumer processes (concurrency 64 each), 10% of first
-    attempts failing; one process is SIGKILLed mid-run and replaced. Meanwhile producers
-    at READ COMMITTED, REPEATABLE READ and SERIALIZABLE write to four more keys at once,
-    with snapshots taken while the consumers claim and settle those keys, and a raw SQL
-    producer tries every status (`SideTraffic`)."""
+    attempts failing; one process is SIGKILLed mid-run and replaced, and another blocks
+    its event loop (``time.sleep`` in a handler) for three times its lease every few
+    seconds, so lease recovery hands its keys to the others. Meanwhile producers at READ
+    COMMITTED, REPEATABLE READ and SERIALIZABLE write to four more keys at once, with
+    snapshots taken while the consumers claim and settle those keys, a raw SQL producer
+    tries every status (`SideTraffic`), and 30 keys of topic ``d`` block behind events
+    that die (``on_dead="block"``) while an operator purges the dead heads with each of
+    the CLI's and `admin`'s tools in turn (`DeadHeads`)."""
     await _produce(runs, keys=150, per_key=40)
-    procs: list[asyncio.subprocess.Process] = []
+    heads = DeadHeads(runs, dsn)
+    await heads.produce(per_key=20)
+    procs: dict[str, asyncio.subprocess.Process] = {}
 
-    async def start(name: str) -> asyncio.subprocess.Process:
+    async def start(name: str, **extra: object) -> asyncio.subprocess.Process:
         config = {"dsn": dsn, "worker_id": name, "concurrency": 64, "lease_timeout": 3}
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "tests.faults.ordered_proc",
-            json.dumps(config),
+            "tests.faults.ordered_moves_proc",
+            json.dumps({**config, **extra}),
             stdout=asyncio.subprocess.PIPE,
             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         )
         assert proc.stdout is not None
         assert (await asyncio.wait_for(proc.stdout.readline(), 60)).strip() == b"READY"
-        procs.append(proc)
+        procs[name] = proc
         return proc
 
     traffic = SideTraffic(runs)
-    stop = asyncio.Event()
-    side: asyncio.Future[None] | None = None
+    stop = asyncio.Event()  # the producers stop
+    drained = asyncio.Event()  # the operator stops purging
+    side: list[asyncio.Future[None]] = []
     finished: str | None = None
+    began = time.monotonic()
+    phases: dict[str, float] = {}  # seconds from the start
+    drain = float("nan")
+
+    async def moves_done(done: int) -> bool:
+        for task in side:
+            if task.done():
+                task.result()  # a producer or the operator failed: say how, now
+        freezes = await runs.fetchval("SELECT count(*) FROM stalls WHERE deliberate")
+        return freezes >= 3 and heads.purged.total() >= 10 and await _done_at_least(runs, done)
+
     try:
         victim = await start("p0")
         await start("p1")
-        await start("p2")
-        side = asyncio.ensure_future(traffic.run(stop))
+        # the freezer: a lease of 2 s, and the loop blocked 6 s once 5 s passed since
+        await start("p2", lease_timeout=2, freeze_every=5, freeze_seconds=6)
+        side += [
+            asyncio.ensure_future(traffic.run(stop)),
+            asyncio.ensure_future(heads.append(stop)),
+            asyncio.ensure_future(heads.purge(drained)),
+        ]
         await wait_until(lambda: _done_at_least(runs, 1500), timeout=120, interval=0.05)
+        phases["kill"] = time.monotonic() - began
         victim.send_signal(signal.SIGKILL)
         await victim.wait()
         await start("p3")
-        await wait_until(lambda: _done_at_least(runs, 4500), timeout=120, interval=0.1)
+        await wait_until(lambda: moves_done(4500), timeout=150, interval=0.2)
+        phases["producers stop"] = time.monotonic() - began
         stop.set()
-        await asyncio.wait_for(side, 120)
-        total = 6_000 + traffic.accepted
+        await asyncio.wait_for(asyncio.gather(*side[:2]), 120)
+        total = 6_000 + traffic.accepted + len(heads.ids)
+        expected = {"done": total - len(heads.dying)}
+
+        async def all_done() -> bool:
+            if side[2].done():
+                side[2].result()
+            return await status_counts(runs) == expected
+
         try:
-            await wait_until(all_in(runs, "done", total), timeout=240, interval=0.5)
+            drain = await wait_until(all_done, timeout=150, interval=0.5)
+            phases["drained"] = time.monotonic() - began
         except AssertionError as exc:
             finished = str(exc)
     finally:
         stop.set()
-        if side is not None and not side.done():
-            side.cancel()
-        for proc in procs:
+        drained.set()
+        if side:
+            await asyncio.wait_for(asyncio.gather(*side, return_exceptions=True), 120)
+        for proc in procs.values():
             if proc.returncode is None:
                 proc.send_signal(signal.SIGTERM)
-        for proc in procs:
+        for proc in procs.values():
             await asyncio.wait_for(proc.wait(), 60)
+    side[2].result()  # the operator's purges all went through
+    lapses = {name: await _last_words(proc) for name, proc in procs.items()}
     killed = await runs.fetchval("SELECT count(*) FROM runs WHERE ended IS NULL")
-    overlaps = await runs.fetchval(OVERLAPS)
-    out_of_order = await runs.fetchval(OUT_OF_ORDER)
+    overlaps = await _count(runs, OVERLAPPING)
+    out_of_order = await _count(runs, OUT_OF_ORDER)
+    unheld = await _count(runs, UNHELD)
+    measured = await freezes_measured(runs)
     left = await status_counts(runs)
+    problems = await heads.unaccounted()
+    phases["checked"] = time.monotonic() - began
     print(
         f"runs cut short by the kill: {killed}; side events {traffic.accepted}, stale snapshots"
         f" refused {traffic.refusals} {traffic.kinds}, raw statuses refused"
-        f" {traffic.raw_refused}; overlapping"
-        f" runs {overlaps}, out of order {out_of_order}; statuses {left}"
+        f" {traffic.raw_refused}; freezes and lapsed leases by process {lapses}, {measured};"
+        f" events of d {len(heads.ids)}, dead heads {len(heads.dying)}, purged"
+        f" {dict(heads.purged)} in {dict(heads.rounds)} rounds; drained in {drain:.1f} s"
+        f" (seconds from the start: {phases}); overlapping runs {overlaps}, out of order"
+        f" {out_of_order}, started on a row not held {unheld}; statuses {left}"
     )
-    if out_of_order:
-        for r in await runs.fetch(
-            "SELECT r.* FROM runs r WHERE (r.okey, r.src) IN (SELECT x.okey, x.src FROM runs x"
-            f" WHERE x.run IN (SELECT r.run {OUT_OF_ORDER.split('count(*)', 1)[1]}))"
-            " ORDER BY r.okey, r.src, r.started"
-        ):
-            print(dict(r))
-        # the events themselves: last_error names a lease recovery and the worker it took
-        # the row from, which tells a late settlement from a lost one
-        for r in await runs.fetch(
-            "SELECT e.id, e.status::text, e.attempts, e.locked_by, e.last_error"
-            " FROM outbox_events e WHERE e.ordering_key IN (SELECT x.okey FROM runs x"
-            f" WHERE x.run IN (SELECT r.run {OUT_OF_ORDER.split('count(*)', 1)[1]}))"
-            " ORDER BY e.ordering_key, e.id"
-        ):
-            print(dict(r))
+    for count, query in ((overlaps, OVERLAPPING), (out_of_order, OUT_OF_ORDER), (unheld, UNHELD)):
+        if count:
+            await show(runs, query)
     assert (overlaps, out_of_order) == (0, 0), "two runs of a key overlapped, or ran out of order"
-    assert finished is None and set(left) == {"done"}, f"events left unhandled: {left}"
+    # (`seen` tells what the database showed; seen once in 16 runs: an outcome recorded
+    # for a claim that lapsed, written after this consumer claimed the row again at the
+    # same attempt, a run member's attempt being given back on recovery)
+    assert unheld == 0, "a handler started on a row its worker no longer held"
+    assert finished is None and left == expected, f"events left unhandled: {left} ({expected})"
+    assert measured["events done that never ran"] == 0 and problems == [], problems
     assert traffic.unexpected == [], traffic.unexpected[:5]
     # the stale snapshots did happen, and were refused rather than trusted
     assert traffic.kinds["head"] + traffic.kinds["snapshot"] > 0, traffic.kinds
     assert traffic.raw_refused > 0
+    # the freezes did hand keys over to the other consumers
+    handed_over = measured["runs of a frozen loop whose key ran elsewhere meanwhile"]
+    assert lapses["p2"]["freezes"] >= 3 and handed_over, (lapses["p2"], handed_over)
+
+
+async def _last_words(proc: asyncio.subprocess.Process) -> dict[str, int]:
+    """The counts a consumer process of `tests.faults.ordered_moves_proc` prints as it
+    stops (none from a killed one)."""
+    assert proc.stdout is not None
+    lines = (await proc.stdout.read()).splitlines()
+    return json.loads(lines[-1]) if lines else {}
 
 
 async def _done_at_least(pool: asyncpg.Pool, n: int) -> bool:
