@@ -88,6 +88,7 @@ class Settler:
         self._promoting: set[str] = set()
         self.promoted = 0  # waiting ordered events promoted to their key's head
         self.fenced = 0  # outcomes ignored because the lease had moved on
+        self.dropped = 0  # stale outcomes of lapsed claims dropped before being written
         self.abandoned = 0  # outcomes given up at shutdown (their leases will expire)
 
     def is_closed(self) -> bool:
@@ -124,6 +125,44 @@ class Settler:
     def unsettled_ids(self) -> list[int]:
         """Rows whose outcome is recorded here but not yet written (still processing)."""
         return self._pending.ids() + self._writing.ids()
+
+    def drop_stale(self, claimed: list[int]) -> list[int]:
+        """Forget the outcomes recorded for rows this worker has just claimed again.
+
+        Such an outcome is an earlier claim's whose lease lapsed (a blocked event loop,
+        a slow flush): the row was recovered and claimed anew, and a run member comes
+        back with its attempt given back, so the settlement's fence (worker, attempt)
+        would match the new claim and settle a row that is about to run. Unwritten
+        ones are dropped (written before the new claim, they would have been fenced
+        off). Returns the claimed ids whose stale outcome is being written right now:
+        whether it lands on the new claim is unknown, so those must not start.
+        """
+        if not (self._pending or self._writing):
+            return []
+        ours = set(claimed)
+        stale = ours.intersection(self._pending.ids())
+        if stale:
+            kept = _Batch()
+            for attempts, ids in self._pending.done.items():
+                for i in ids:
+                    if i not in stale:
+                        kept.done[attempts].append(i)
+                        kept.size += 1
+            for attempts, failures in self._pending.failed.items():
+                for f in failures:
+                    if f.id not in stale:
+                        kept.failed[attempts].append(f)
+                        kept.size += 1
+            self._pending = kept
+            self.dropped += len(stale)
+            logger.warning(
+                "%d outcome(s) of claims whose lease lapsed not written: this consumer "
+                "claimed the events again since (ids %s)",
+                len(stale),
+                ", ".join(map(str, sorted(stale)[:_SHOWN_IDS])),
+                extra={"event_ids": sorted(stale)[:1000]},
+            )
+        return sorted(ours.intersection(self._writing.ids())) if self._writing else []
 
     async def wait_flushed(self) -> None:
         """Wait until the next flush completes (used for back-pressure)."""
