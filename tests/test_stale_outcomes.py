@@ -17,6 +17,7 @@ import asyncpg
 import pytest
 
 import aiooutbox
+from aiooutbox._engine.rows import ClaimedRow
 from aiooutbox._engine.settler import Settler
 from aiooutbox._sql.statements import queries
 
@@ -58,8 +59,11 @@ async def test_a_stale_outcome_is_dropped_when_the_row_is_claimed_again(
     )
     await pool.fetch(Q.recover_expired, 100)
     await pool.execute("UPDATE outbox_events SET available_at = now() WHERE id = $1", head)
-    again = await _claim(pool)
+    rows = await pool.fetch(Q.claim, "w", 30.0, ["t"], 10, 1 << 30, 10, 20)
+    again = {r["id"]: r["attempts"] for r in rows}
     assert again == {head: 2, member: 1}, "the member's fence is the same as before"
+    # the dispatcher asks the settler only about rows that may have been claimed before
+    assert all(ClaimedRow.from_record(r).claimed_before() for r in rows)
     if drop:
         assert settler.drop_stale(list(again)) == []  # not being written: dropped
         assert settler.dropped == 1

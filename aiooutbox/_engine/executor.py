@@ -290,11 +290,7 @@ class Executor:
             row.created_at,
             row.message_id,
             row.ordering_key,
-            # a requeue gives a run member behind its recovered head its attempt back,
-            # so attempts alone miss it; it moves the row's available_at past its
-            # creation, which an ordered event's promotion never does
-            row.attempts > 1
-            or (row.ordering_key is not None and row.available_at > row.created_at.timestamp()),
+            row.claimed_before(),
         )
 
     def release(self, row: ClaimedRow) -> None:

@@ -94,6 +94,15 @@ class ClaimedRow:
             row.created_at = aware(row.created_at)
         return row
 
+    def claimed_before(self) -> bool:
+        """True if this row may have been claimed before (and its lease recovered): its
+        attempts say so, or, for a run member whose attempt recovery gave back, an
+        ``available_at`` moved past its creation (an ordered event's promotion never
+        moves it). What `Event.redelivered` reports."""
+        return self.attempts > 1 or (
+            self.ordering_key is not None and self.available_at > self.created_at.timestamp()
+        )
+
     @property
     def size(self) -> int:
         """Characters of payload text: what decoding it costs."""
