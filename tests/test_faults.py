@@ -781,9 +781,12 @@ async def test_idle_in_transaction_producer_and_long_reader(
 
                 await wait_until(drained, 60, "3000 events to drain beside the long transactions")
                 drained_s = time.monotonic() - started
+                # these two sessions (the consumer's own multi-statement transactions, the
+                # watchdog's and a flush's, are briefly idle in transaction too)
                 horizon = await db.fetchval(
-                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-                    " AND state = 'idle in transaction'"
+                    "SELECT count(*) FROM pg_stat_activity WHERE pid = ANY ($1::int[])"
+                    " AND state = 'idle in transaction'",
+                    [idle_producer.get_server_pid(), reader.get_server_pid()],
                 )
                 assert horizon == 2, "both long transactions should still be open"
                 assert held_id not in recorder.seen

@@ -362,7 +362,9 @@ class Dispatcher:
         # the claim set each lease to end at its own start + lease_timeout, which came
         # after `started`: this end is never later than the database's
         self._leases.hold_all(rows, started + self._o.lease_timeout)
-        if self._settler.backlog and (again := [r.id for r in rows if r.claimed_before()]):
+        if self._settler.backlog and (
+            again := [(r.id, r.attempts) for r in rows if r.claimed_before()]
+        ):
             # a row claimed again after an earlier claim of ours lapsed: that claim's
             # outcome must not settle this one (see `Settler.drop_stale`); one being
             # written now may, so such a row is given up as a lapsed claim is

@@ -126,8 +126,9 @@ class Settler:
         """Rows whose outcome is recorded here but not yet written (still processing)."""
         return self._pending.ids() + self._writing.ids()
 
-    def drop_stale(self, claimed: list[int]) -> list[int]:
-        """Forget the outcomes recorded for rows this worker has just claimed again.
+    def drop_stale(self, claimed: list[tuple[int, int]]) -> set[int]:
+        """Forget the outcomes recorded for rows this worker has just claimed again at
+        the same attempt (``claimed``: id and attempts of each claimed row).
 
         Such an outcome is an earlier claim's whose lease lapsed (a blocked event loop,
         a slow flush): the row was recovered and claimed anew, and a run member comes
@@ -135,12 +136,14 @@ class Settler:
         would match the new claim and settle a row that is about to run. Unwritten
         ones are dropped (written before the new claim, they would have been fenced
         off). Returns the claimed ids whose stale outcome is being written right now:
-        whether it lands on the new claim is unknown, so those must not start.
+        whether it lands on the new claim is unknown, so those must not start. An
+        outcome of another attempt is no such case (a retry just written, its row due
+        at once and claimed again: the fence tells the two apart).
         """
         if not (self._pending or self._writing):
-            return []
+            return set()
         ours = set(claimed)
-        stale = ours.intersection(self._pending.ids())
+        stale = {i for i, a in ours if i in self._pending_at(self._pending).get(a, ())}
         if stale:
             kept = _Batch()
             for attempts, ids in self._pending.done.items():
@@ -162,7 +165,20 @@ class Settler:
                 ", ".join(map(str, sorted(stale)[:_SHOWN_IDS])),
                 extra={"event_ids": sorted(stale)[:1000]},
             )
-        return sorted(ours.intersection(self._writing.ids())) if self._writing else []
+        if not self._writing:
+            return set()
+        writing = self._pending_at(self._writing)
+        return {i for i, a in ours if i in writing.get(a, ())}
+
+    @staticmethod
+    def _pending_at(batch: _Batch) -> dict[int, set[int]]:
+        """The batch's row ids by the attempt their outcome is fenced on."""
+        by: dict[int, set[int]] = defaultdict(set)
+        for attempts, ids in batch.done.items():
+            by[attempts].update(ids)
+        for attempts, failures in batch.failed.items():
+            by[attempts].update(f.id for f in failures)
+        return by
 
     async def wait_flushed(self) -> None:
         """Wait until the next flush completes (used for back-pressure)."""

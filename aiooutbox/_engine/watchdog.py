@@ -170,12 +170,22 @@ class Watchdog:
     async def check(self) -> MvccReport | None:
         """One round, or ``None`` when another consumer is checking right now."""
         with anyio.fail_after(3 * self._timeout):
-            async with pooled(self._pool, self._timeout) as conn, conn.transaction():
-                if not await conn.fetchval(
-                    self._q.watchdog_lock, self._q.qualified, timeout=self._timeout
-                ):
-                    return None
-                report = await inspect_mvcc(conn, self._q)
+            async with pooled(self._pool, self._timeout) as conn:
+                try:
+                    async with conn.transaction():
+                        if not await conn.fetchval(
+                            self._q.watchdog_lock, self._q.qualified, timeout=self._timeout
+                        ):
+                            return None
+                        report = await inspect_mvcc(conn, self._q)
+                except BaseException:
+                    # cancelled inside the transaction (a stop, the deadline): the
+                    # rollback's await is cancelled too, and a connection given back
+                    # inside a transaction is reported as an error by asyncpg's reset;
+                    # close it instead (the server rolls back)
+                    if conn.is_in_transaction():
+                        conn.terminate()
+                    raise
         self.checks += 1
         self.last = report
         self._fresh_until = time.monotonic() + 3 * self._interval
