@@ -143,7 +143,8 @@ class Settler:
         if not (self._pending or self._writing):
             return set()
         ours = set(claimed)
-        stale = {i for i, a in ours if i in self._pending_at(self._pending).get(a, ())}
+        pending = self._pending_at(self._pending)
+        stale = {i for i, a in ours if i in pending.get(a, ())}
         if stale:
             kept = _Batch()
             for attempts, ids in self._pending.done.items():
