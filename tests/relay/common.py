@@ -148,14 +148,27 @@ async def kill_midway(pool: asyncpg.Pool, dsn: str, to: str, total: int, *args: 
     try:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 60
-        # killed holding rows (it nearly always does; not between a drained batch and
-        # the next claim), so that the second relay has events to repeat
-        while (found := await counts(pool)).get("done", 0) < total // 3 or not found.get(
-            "processing"
-        ):
-            assert first.proc.poll() is None, first.stderr()
-            assert loop.time() < deadline, first.stderr()
-            await asyncio.sleep(0.02)
+        # killed holding rows, so that the second relay has events to repeat: frozen
+        # (SIGSTOP) once a third is done, and killed only if it still holds rows once
+        # the statements it had sent are through; else thawed to try again (on a quiet
+        # machine it sometimes stood between a settled batch and its next claim)
+        while True:
+            while (found := await counts(pool)).get("done", 0) < total // 3 or not found.get(
+                "processing"
+            ):
+                assert first.proc.poll() is None, first.stderr()
+                assert loop.time() < deadline, first.stderr()
+                await asyncio.sleep(0.02)
+            first.proc.send_signal(signal.SIGSTOP)
+            while await pool.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                " AND state = 'active' AND pid <> pg_backend_pid()"
+            ):
+                assert loop.time() < deadline, first.stderr()
+                await asyncio.sleep(0.01)
+            if (await counts(pool)).get("processing"):
+                break
+            first.proc.send_signal(signal.SIGCONT)
     except BaseException:
         print(first.stderr())
         raise
