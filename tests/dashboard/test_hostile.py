@@ -79,6 +79,16 @@ async def plant(conn: asyncpg.Connection) -> list[int]:
             text,
             HOSTILE,
         )
+        # a relay names its destination in its worker id: the relays table shows it, in
+        # text and in the row's data-relay attribute
+        await conn.execute(
+            "INSERT INTO outbox_events_consumers (worker_id, host, pid, concurrency, prefetch,"
+            " topics, lease_timeout, version, expires_at)"
+            " VALUES ($1, $2, 1, 3, 0, $3::text[], 30, $2, now() + interval '1 hour')",
+            f"relay redis:{text} @h:1:{i}",
+            text,
+            HOSTILE,
+        )
     return ids
 
 
@@ -123,6 +133,10 @@ async def test_hostile_text_renders_as_text_everywhere(dsn: str, tmp_path: Path)
             workers = await w.page.inner_text("table.workers")
             for i, text in enumerate(HOSTILE):
                 assert f"{text} #{i}" in workers and f"{text}:1" in workers, workers
+            relays = w.page.locator("table.relays tr.relay")
+            shown = await relays.evaluate_all("rs => rs.map(r => r.dataset.relay)")
+            for i, text in enumerate(HOSTILE):  # as text, the attribute intact
+                assert f"relay redis:{text} @h:1:{i}" in shown, shown
             await w.page.goto(base.rstrip("/") + "/events?" + urlencode({"topic": HOSTILE[1]}))
             assert await w.page.input_value('input[name="topic"]') == HOSTILE[1]
             assert await w.page.inner_text("#matching") == "3"  # dead, waiting, processing
