@@ -15,7 +15,7 @@ import pytest
 
 import aiooutbox
 from aiooutbox._engine.claim_window import ClaimWindow
-from aiooutbox._engine.rows import ClaimedRow
+from aiooutbox._engine.rows import ClaimedRow, from_epoch
 from aiooutbox._sql.plans import nested_plans
 from aiooutbox._sql.statements import queries
 from aiooutbox.events import Event, build_event
@@ -45,22 +45,44 @@ async def test_claimed_row_from_a_real_claim(conn: asyncpg.Connection) -> None:
         "d-1",
     )
     assert (row.attempts, row.max_attempts, row.ordering_key, row.is_head) == (1, 5, "k-1", True)
-    assert row.created_at.tzinfo is not None
-    # the claim returns available_at as epoch seconds (only the watermark reads it)
+    # the claim returns created_at and available_at as epoch seconds
+    created = await conn.fetchval("SELECT created_at FROM outbox_events WHERE id = $1", row.id)
+    assert from_epoch(row.created_at) == created
     stored = await conn.fetchval("SELECT available_at FROM outbox_events WHERE id = $1", row.id)
     assert isinstance(row.available_at, float)
     assert abs(row.available_at - stored.timestamp()) < 1e-5
     assert row.message_id == str(records[0]["message_id"])
 
 
-def test_claimed_row_makes_infinite_timestamps_comparable() -> None:
-    # asyncpg returns -infinity/infinity as naive datetime.min/max
-    now = datetime.now(UTC)
-    row = ClaimedRow.from_record(
-        (1, "t", "{}", None, "{}", 1, 5, datetime.min, math.inf, "m", None, True)
+async def test_created_at_survives_the_epoch_seconds_exactly(conn: asyncpg.Connection) -> None:
+    # what a raw SQL producer may store: the handler's Event.created_at is the stored
+    # value to the microsecond (the claim clamps infinities to the years 1 and 9999)
+    values = [
+        "1999-12-31 23:59:59.999999+00",
+        "1970-01-01 00:00:00.000001+00",
+        "1969-12-31 23:59:59.999999+00",
+        "1700-03-01 12:34:56.789012+00",
+        "2038-01-19 03:14:07.654321+00",
+        "2242-03-16 12:56:31.999999+00",
+        "-infinity",
+        "infinity",
+    ]
+    await conn.executemany(
+        "INSERT INTO outbox_events (topic, payload, created_at)"
+        " VALUES ('t', '{}', $1::text::timestamptz)",
+        [(v,) for v in values],
     )
-    assert row.created_at.tzinfo is not None
-    assert row.created_at < now
+    stored = dict(await conn.fetch("SELECT id, created_at FROM outbox_events"))
+    records = await conn.fetch(Q.claim, "w", 30.0, ["t"], 10, 1 << 30, 0, 0)
+    assert len(records) == len(values)
+    clamps = {
+        datetime.min: datetime(1, 1, 1, tzinfo=UTC),  # asyncpg's -infinity
+        datetime.max: datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC),
+    }
+    for record in records:
+        row = ClaimedRow.from_record(record)
+        expected = stored[row.id]
+        assert from_epoch(row.created_at) == clamps.get(expected, expected), record
 
 
 async def test_the_watermark_reads_available_at_as_epoch_seconds(

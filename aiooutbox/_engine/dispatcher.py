@@ -19,7 +19,7 @@ import anyio
 import asyncpg
 
 from .._engine.flow import Flow
-from .._sql.db import TRANSIENT_ERRORS, bounded, check_permanent, pool_is_closed, pooled
+from .._sql.db import TRANSIENT_ERRORS, HeldConnection, bounded, check_permanent, pool_is_closed
 from .._values.text import exception_message, exception_summary
 from ..errors import OutboxError
 from ..observe import Observers
@@ -54,6 +54,9 @@ _MAX_RUN = 1024
 # delivery and topic isolation": larger budgets made claims so big that work came out
 # in bursts)
 _RUN_ROWS_PER_HEAD = 2
+# the claim's connection is kept from one claim to the next (see `HeldConnection`), and
+# given back when the loop goes idle or waits this long for free slots
+_HOLD_IDLE = 0.05
 
 
 class Dispatcher:
@@ -75,6 +78,7 @@ class Dispatcher:
         flow: Flow,
     ) -> None:
         self._pool = pool
+        self._conn = HeldConnection(pool, options.statement_timeout)
         self._flow = flow
         self._observers = observers
         self._o = options
@@ -99,6 +103,13 @@ class Dispatcher:
         return self._listener is not None and self._listener.connected
 
     async def run(self, handoff: Handoff[Run]) -> None:
+        try:
+            await self._run(handoff)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._conn.release()
+
+    async def _run(self, handoff: Handoff[Run]) -> None:
         o, s, signals = self._o, self._stats, self._signals
         backoff = 0.05
         linger = 0
@@ -125,11 +136,17 @@ class Dispatcher:
                 want = min(o.concurrency - s.in_flight, o.claim_size)
                 refill = max(1, o.claim_size // 4)
             if self._settler.backlog > o.max_unwritten:
+                await self._conn.release()  # the settler may need one to catch up
                 await _wait_for(self._settler.wait_flushed(), o.poll_interval)
                 continue
             if want <= 0 or (full and want < refill):
                 # a backlog is waiting: claim again as soon as enough slots free
                 signals.clear_slot_freed()
+                if self._conn.held:
+                    await _wait_for(signals.slot_freed.wait(), _HOLD_IDLE)
+                    if signals.slot_freed.is_set():
+                        continue
+                    await self._conn.release()  # slow handlers: no claim for a while
                 await signals.slot_freed.wait()
                 continue
             signals.clear_wake()
@@ -197,6 +214,7 @@ class Dispatcher:
             # leaving the fast path: the next claim starts from the oldest entry, so a row
             # the watermark hid is never left waiting for a poll
             self.window.force_full()
+            await self._conn.release()
             if o.listen and not idle and self._listening:
                 # advertise, then look once more: an insert that committed before the
                 # advertisement saw no idle consumer and sent no notification
@@ -274,7 +292,7 @@ class Dispatcher:
         # fast stop during a claim releases its rows instead of stranding them for a
         # lease (the wait is bounded by the acquire and statement timeouts)
         with anyio.CancelScope(shield=True):
-            async with pooled(self._pool, self._o.statement_timeout) as conn:
+            async with self._conn.use() as conn:
                 if limited:
                     share = -(-want // (len(limited) + claim_open))
                     taken = await flow.claim(conn, limited, share)

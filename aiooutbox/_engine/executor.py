@@ -25,7 +25,7 @@ from ..handlers import ALL_TOPICS, Handler
 from ..observe import Observers
 from ..retry import RetryPolicy
 from .leases import Leases
-from .rows import ClaimedRow, ConsumerStats, Outcome, Settlement
+from .rows import ClaimedRow, ConsumerStats, Outcome, Settlement, from_epoch
 from .settler import Settler
 
 __all__ = ["Executor", "describe"]
@@ -287,7 +287,7 @@ class Executor:
             headers,
             row.attempts,
             row.max_attempts,
-            row.created_at,
+            from_epoch(row.created_at),
             row.message_id,
             row.ordering_key,
             row.claimed_before(),

@@ -336,7 +336,8 @@ class Flow:
         for r in records:
             if r[0] is not None:
                 values = list(r)[:_COLUMNS]
-                # as the open claim's statement reads it (`ClaimedRow.available_at`)
+                # as the open claim's statement reads them (`ClaimedRow`)
+                values[7] = epoch_seconds(values[7])
                 values[8] = epoch_seconds(values[8])
                 row = ClaimedRow.from_record(values)
                 rows.append(row)

@@ -13,7 +13,15 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-__all__ = ["ClaimedRow", "ConsumerStats", "Outcome", "Settlement", "aware", "epoch_seconds"]
+__all__ = [
+    "ClaimedRow",
+    "ConsumerStats",
+    "Outcome",
+    "Settlement",
+    "aware",
+    "epoch_seconds",
+    "from_epoch",
+]
 
 _MIN = datetime.min.replace(tzinfo=UTC)
 _MAX = datetime.max.replace(tzinfo=UTC)
@@ -33,6 +41,13 @@ def aware(value: datetime) -> datetime:
 
 def is_finite(value: datetime) -> bool:
     return value.tzinfo is not None and _MIN < value < _MAX
+
+
+def from_epoch(seconds: float) -> datetime:
+    """`epoch_seconds` undone: an aware datetime (±inf: the aware min and max)."""
+    if -math.inf < seconds < math.inf:
+        return datetime.fromtimestamp(seconds, UTC)
+    return _MIN if seconds < 0 else _MAX
 
 
 def epoch_seconds(value: datetime) -> float:
@@ -78,7 +93,7 @@ class ClaimedRow:
     headers: str
     attempts: int
     max_attempts: int
-    created_at: datetime
+    created_at: float  # epoch seconds (±inf for ±infinity); `from_epoch` makes the datetime
     available_at: float  # epoch seconds (±inf for ±infinity): the claim window's watermark
     message_id: str
     ordering_key: str | None = None
@@ -89,10 +104,7 @@ class ClaimedRow:
         """A row of the claim, whose columns come in the fields' order (a test pins
         it): positional, because reading twelve columns by name cost more per event
         than the rest of the hand-out."""
-        row = cls(*record)
-        if row.created_at.tzinfo is None:
-            row.created_at = aware(row.created_at)
-        return row
+        return cls(*record)
 
     def claimed_before(self) -> bool:
         """True if this row may have been claimed before (and its lease recovered): its
@@ -100,7 +112,7 @@ class ClaimedRow:
         ``available_at`` moved past its creation (an ordered event's promotion never
         moves it). What `Event.redelivered` reports."""
         return self.attempts > 1 or (
-            self.ordering_key is not None and self.available_at > self.created_at.timestamp()
+            self.ordering_key is not None and self.available_at > self.created_at
         )
 
     @property

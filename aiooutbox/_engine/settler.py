@@ -20,7 +20,13 @@ from dataclasses import dataclass, field
 import anyio
 import asyncpg
 
-from .._sql.db import TRANSIENT_ERRORS, check_permanent, is_data_error, pool_is_closed, pooled
+from .._sql.db import (
+    TRANSIENT_ERRORS,
+    HeldConnection,
+    check_permanent,
+    is_data_error,
+    pool_is_closed,
+)
 from .._sql.statements import Queries
 from .._values.text import describe_exception, exception_message, exception_summary
 from .rows import Outcome, Settlement
@@ -68,6 +74,8 @@ class Settler:
         on_written: Callable[[], None] = lambda: None,
     ) -> None:
         self._pool = pool
+        # kept between flushes while outcomes keep coming (see `HeldConnection`)
+        self._conn = HeldConnection(pool, statement_timeout)
         self._q = queries
         self._worker_id = worker_id
         self._flush_interval = flush_interval
@@ -192,12 +200,22 @@ class Settler:
         The consumer calls `close` while this still runs: nothing is written after it
         (a deferred promotion retried then wrote past the stop).
         """
+        try:
+            await self._run()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._conn.release()
+
+    async def _run(self) -> None:
         while not self.is_closed():
             # deferred promotions are retried after _PROMOTE_RETRY (as long as _HOLD_IDLE)
             with anyio.move_on_after(_HOLD_IDLE):
                 await self._has_work.wait()
-            if not self._has_work.is_set() and not self._promote_later:
-                await self._has_work.wait()
+            if not self._has_work.is_set():
+                # no outcome for a while: the connection goes back to the pool
+                await self._conn.release()
+                if not self._promote_later:
+                    await self._has_work.wait()
             self._has_work = anyio.Event()
             if self._pending.size < self._flush_size and not self._hurry:
                 # let a few more outcomes join this batch
@@ -225,6 +243,7 @@ class Settler:
                     await self._flush_locked()
             self._abandon("the database could not be reached before the shutdown deadline")
             self._closed = True
+            await self._conn.release()
             self._has_work.set()  # run() sees it and ends
             if self._promote_later:
                 keys = sorted(self._promote_later)
@@ -329,7 +348,7 @@ class Settler:
 
     async def _write(self, batch: _Batch) -> None:
         statements = self._statements(batch)
-        async with pooled(self._pool, self._timeout) as conn:
+        async with self._conn.use() as conn:
             try:
                 results = await self._execute(conn, statements)
             except asyncpg.PostgresError as exc:

@@ -4,6 +4,7 @@ tell a closed pool from either."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -16,6 +17,7 @@ from ..errors import OutboxError
 
 __all__ = [
     "TRANSIENT_ERRORS",
+    "HeldConnection",
     "PermanentDatabaseError",
     "bounded",
     "check_permanent",
@@ -141,3 +143,59 @@ async def bounded(pool: asyncpg.Pool, method: str, query: str, *args: Any, timeo
     """
     async with pooled(pool, timeout) as conn:
         return await getattr(conn, method)(query, *args, timeout=timeout)
+
+
+class HeldConnection:
+    """One pooled connection kept from one statement to the next while they come often.
+
+    Every release to an asyncpg pool resets the connection: one more round trip, and
+    four statements on the server (advisory unlock, CLOSE ALL, UNLISTEN, RESET ALL).
+    The claim loop and the settler send a statement every few milliseconds in a drain,
+    so they keep theirs between statements and give it back (`release`)
+    when they wait for work. Only a connection whose statement finished is kept: after
+    any error or a cancellation it goes back to the pool, which closes a broken one.
+    Pools smaller than ``min_pool`` are never held from (a handler or another part of
+    the consumer might wait for the connection held here).
+    """
+
+    def __init__(self, pool: asyncpg.Pool, timeout: float, *, min_pool: int = 4) -> None:
+        self._pool = pool
+        self._timeout = timeout
+        self._conn: asyncpg.Connection | None = None
+        max_size = getattr(pool, "get_max_size", None)
+        self._holds = not callable(max_size) or max_size() >= min_pool
+
+    @property
+    def held(self) -> bool:
+        return self._conn is not None
+
+    @asynccontextmanager
+    async def use(self) -> AsyncIterator[asyncpg.Connection]:
+        """The held connection (acquired first if none is), kept afterwards only if the
+        body finished and nothing is left open on it."""
+        conn, self._conn = self._conn, None
+        if conn is not None and (conn.is_closed() or pool_is_closed(self._pool)):
+            await self._give_back(conn)  # a closing pool gets its connection back
+            conn = None
+        if conn is None:
+            conn = await self._pool.acquire(timeout=self._timeout)
+        kept = False
+        try:
+            yield conn
+            kept = self._holds and not conn.is_in_transaction() and not conn.is_closed()
+        finally:
+            if kept:
+                self._conn = conn
+            else:
+                await self._give_back(conn)
+
+    async def release(self) -> None:
+        """Give the held connection back to the pool (shielded: it is never lost)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await self._give_back(conn)
+
+    async def _give_back(self, conn: asyncpg.Connection) -> None:
+        # a failed reset: asyncpg closed the connection (and `_note_failed_release` said so)
+        with contextlib.suppress(*TRANSIENT_ERRORS):
+            await _release(self._pool, conn)
