@@ -140,14 +140,19 @@ class Dispatcher:
                 await _wait_for(self._settler.wait_flushed(), o.poll_interval)
                 continue
             if want <= 0 or (full and want < refill):
-                # a backlog is waiting: claim again as soon as enough slots free
+                # a backlog is waiting: claim again as soon as enough slots free, when
+                # no more than this many rows are in flight
+                signals.slots_at = o.concurrency + ahead - (refill if full else 1)
                 signals.clear_slot_freed()
-                if self._conn.held:
-                    await _wait_for(signals.slot_freed.wait(), _HOLD_IDLE)
-                    if signals.slot_freed.is_set():
-                        continue
-                    await self._conn.release()  # slow handlers: no claim for a while
-                await signals.slot_freed.wait()
+                try:
+                    if self._conn.held:
+                        await _wait_for(signals.slot_freed.wait(), _HOLD_IDLE)
+                        if signals.slot_freed.is_set():
+                            continue
+                        await self._conn.release()  # slow handlers: no claim for a while
+                    await signals.slot_freed.wait()
+                finally:
+                    signals.slots_at = math.inf
                 continue
             signals.clear_wake()
             signals.clear_listener_back()

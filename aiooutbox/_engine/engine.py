@@ -132,8 +132,10 @@ class Engine:
             if flow.waiting_for_slot():  # a limited topic may claim again (even when idle)
                 signals.set_wake()
 
+        stats = self._stats
+
         def finished() -> None:
-            signals.set_slot_freed()
+            signals.slot_finished(stats.in_flight)
             if flow.slot_wait:  # a limited topic's slot frees once the outcome is written
                 settler.hurry()
 

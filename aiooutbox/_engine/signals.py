@@ -3,6 +3,8 @@ freed slot, the listener back), each an `anyio.Event` re-armed after use."""
 
 from __future__ import annotations
 
+import math
+
 import anyio
 
 __all__ = ["Signals"]
@@ -14,7 +16,11 @@ class Signals:
     def __init__(self) -> None:
         self.wake = anyio.Event()  # a notification, a recovery, a stop, a retry written
         self.wakes = 0  # how many times `wake` was set (flow control's limited topics)
-        self.slot_freed = anyio.Event()  # a handler finished
+        self.slot_freed = anyio.Event()  # a handler finished (see `slot_finished`)
+        # `slot_finished` sets `slot_freed` once this few rows or fewer are in flight: the
+        # claim loop waits for enough free slots to claim, not for every single one (a
+        # drain of no-op handlers woke it once per event)
+        self.slots_at: float = math.inf
         self.stop = anyio.Event()
         self.listener_back = anyio.Event()  # the listener (re)connected: the server is back
 
@@ -29,6 +35,11 @@ class Signals:
 
     def set_slot_freed(self) -> None:
         self.slot_freed.set()
+
+    def slot_finished(self, in_flight: int) -> None:
+        """A row's work ended, ``in_flight`` rows are left."""
+        if in_flight <= self.slots_at:
+            self.slot_freed.set()
 
     def set_listener_back(self) -> None:
         self.listener_back.set()
