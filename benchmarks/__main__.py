@@ -134,8 +134,23 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="N",
         help="done rows beside the retention scenario's drains (default 10000000)",
     )
+    parser.add_argument(
+        "--references-systems",
+        nargs="+",
+        metavar="SYSTEM",
+        choices=["aiooutbox", "bare", "pgqueuer", "awa", "procrastinate"],
+        help="run only these systems in the references scenario (default: every one)",
+    )
+    parser.add_argument(
+        "--references-rounds",
+        type=int,
+        metavar="N",
+        help="rotated rounds of the references scenario (default 5)",
+    )
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
+    if args.references_rounds is not None and args.references_rounds < 1:
+        parser.error("--references-rounds must be at least 1")
     if args.retention_rows is not None and args.retention_rows < 1:
         parser.error("--retention-rows must be at least 1")
     if args.backlog is not None and args.backlog < 1:
@@ -170,6 +185,10 @@ def config_from(args: argparse.Namespace) -> Config:
         config.dashboard_rounds = args.dashboard_rounds
     if args.dashboard_drain is not None:
         config.dashboard_drain = args.dashboard_drain
+    if args.references_systems is not None:
+        config.references_only = list(args.references_systems)
+    if args.references_rounds is not None:
+        config.references_rounds = args.references_rounds
     if args.patch:
         config.patch = str(args.patch.resolve())
     if args.sql_patch:

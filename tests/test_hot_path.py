@@ -25,7 +25,7 @@ Q = queries()
 
 async def test_claim_columns_come_in_claimed_row_field_order(conn: asyncpg.Connection) -> None:
     # ClaimedRow.from_record reads the claim's columns by position
-    fields = [f.name for f in dataclasses.fields(ClaimedRow)]
+    fields = list(ClaimedRow._fields)
     for sql in (Q.claim, Q.claim_after):
         columns = [a.name for a in (await conn.prepare(sql)).get_attributes()]
         assert columns == fields, sql

@@ -339,7 +339,7 @@ class Dispatcher:
             sql = self._q.claim_after
             args += self.window.watermark
         records = await conn.fetch(sql, *args, timeout=self._o.statement_timeout)
-        return [ClaimedRow.from_record(r) for r in records]
+        return ClaimedRow.from_records(records)
 
     async def take_back_orphans(self, why: str) -> None:
         """Release rows that carry our worker id but that we do not hold.

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = [
     "ClaimedRow",
@@ -24,6 +25,7 @@ __all__ = [
 ]
 
 _MIN = datetime.min.replace(tzinfo=UTC)
+_new_tuple: Any = tuple.__new__
 _MAX = datetime.max.replace(tzinfo=UTC)
 
 
@@ -44,10 +46,9 @@ def is_finite(value: datetime) -> bool:
 
 
 def from_epoch(seconds: float) -> datetime:
-    """`epoch_seconds` undone: an aware datetime (±inf: the aware min and max)."""
-    if -math.inf < seconds < math.inf:
-        return datetime.fromtimestamp(seconds, UTC)
-    return _MIN if seconds < 0 else _MAX
+    """A claimed row's ``created_at`` as the aware datetime `Event` carries (the claim
+    clamps it to the years 1 to 9999, so it is always finite)."""
+    return datetime.fromtimestamp(seconds, UTC)
 
 
 def epoch_seconds(value: datetime) -> float:
@@ -84,8 +85,11 @@ class Settlement:
         return self.outcome.value
 
 
-@dataclass(slots=True)  # not frozen: built for every claimed row, and frozen init is slower
-class ClaimedRow:
+class ClaimedRow(NamedTuple):
+    """A claimed row; a tuple, because the claim makes hundreds at once: built from the
+    claim's record in one C call (`from_record`), where a dataclass's ``__init__``
+    cost a microsecond a row (most of the hand-out), and read as fast as slots."""
+
     id: int
     topic: str
     payload: str
@@ -93,18 +97,22 @@ class ClaimedRow:
     headers: str
     attempts: int
     max_attempts: int
-    created_at: float  # epoch seconds (±inf for ±infinity); `from_epoch` makes the datetime
+    created_at: float  # epoch seconds (the claim clamps it to the years 1 to 9999)
     available_at: float  # epoch seconds (±inf for ±infinity): the claim window's watermark
     message_id: str
     ordering_key: str | None = None
     is_head: bool = True  # False: a waiting event claimed behind its key's head
 
     @classmethod
-    def from_record(cls, record: Any) -> ClaimedRow:
-        """A row of the claim, whose columns come in the fields' order (a test pins
-        it): positional, because reading twelve columns by name cost more per event
-        than the rest of the hand-out."""
-        return cls(*record)
+    def from_record(cls, record: Iterable[Any]) -> ClaimedRow:
+        """A row of the claim, whose columns come in the fields' order (a test pins it)."""
+        row: ClaimedRow = _new_tuple(cls, record)
+        return row
+
+    @classmethod
+    def from_records(cls, records: Iterable[Iterable[Any]]) -> list[ClaimedRow]:
+        """`from_record` of each of a claim's records."""
+        return [_new_tuple(cls, record) for record in records]
 
     def claimed_before(self) -> bool:
         """True if this row may have been claimed before (and its lease recovered): its
