@@ -17,7 +17,7 @@ import aiooutbox
 from aiooutbox._engine.claim_window import ClaimWindow
 from aiooutbox._engine.rows import ClaimedRow, from_epoch
 from aiooutbox._sql.plans import nested_plans
-from aiooutbox._sql.statements import queries
+from aiooutbox._sql.statements import id_array, queries
 from aiooutbox.events import Event, build_event
 
 Q = queries()
@@ -165,3 +165,16 @@ async def test_a_claim_with_runs_flags_its_heads_and_stays_on_indexes(
     assert len(rows) == 80  # every head and the three events behind each
     assert {r["id"] for r in rows if r["is_head"]} == first
     assert all(not r["is_head"] for r in rows if r["id"] not in first)
+
+
+async def test_the_settlements_ids_go_as_array_text(conn: asyncpg.Connection) -> None:
+    # the settler sends a done batch's ids as the text of a bigint[] (`id_array`)
+    for ids in ([], [1], [2**63 - 1, -(2**63), 0], list(range(10_000, 12_000))):
+        got = await conn.fetchval("SELECT $1::text::bigint[]", id_array(ids))
+        assert got == ids
+    assert id_array((5,)) == "{5}"  # any sequence, one element included
+    await conn.execute("INSERT INTO outbox_events (topic, payload) VALUES ('t', '{}')")
+    records = await conn.fetch(Q.claim, "w", 30.0, ["t"], 10, 1 << 30, 0, 0)
+    ids = [r["id"] for r in records]
+    settled = await conn.fetchrow(Q.settle_done_text, id_array(ids), "w", 1)
+    assert settled["settled"] == 1

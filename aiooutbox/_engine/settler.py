@@ -27,7 +27,7 @@ from .._sql.db import (
     is_data_error,
     pool_is_closed,
 )
-from .._sql.statements import Queries
+from .._sql.statements import Queries, id_array
 from .._values.text import describe_exception, exception_message, exception_summary
 from .rows import Outcome, Settlement
 
@@ -317,8 +317,7 @@ class Settler:
 
     def _statements(self, batch: _Batch) -> list[tuple[str, tuple[object, ...], int]]:
         statements: list[tuple[str, tuple[object, ...], int]] = [
-            (self._q.settle_done, (ids, self._worker_id, attempts), len(ids))
-            for attempts, ids in batch.done.items()
+            self._done_statement(attempts, ids) for attempts, ids in batch.done.items()
         ]
         statements += [
             self._failed_statement(attempts, failures)
@@ -329,6 +328,9 @@ class Settler:
             self._promoting = set(self._promote_later)
             statements.append((self._q.promote, (sorted(self._promoting),), -1))
         return statements
+
+    def _done_statement(self, attempts: int, ids: list[int]) -> tuple[str, tuple[object, ...], int]:
+        return (self._q.settle_done_text, (id_array(ids), self._worker_id, attempts), len(ids))
 
     def _failed_statement(
         self, attempts: int, failures: list[Settlement]
@@ -408,7 +410,7 @@ class Settler:
             batch.size,
         )
         for attempts, ids in batch.done.items():
-            statement = (self._q.settle_done, (ids, self._worker_id, attempts), len(ids))
+            statement = self._done_statement(attempts, ids)
             self._absorb((await self._execute(conn, [statement]))[0], len(ids))
         for attempts, failures in batch.failed.items():
             await self._write_failures(conn, attempts, failures)

@@ -49,7 +49,7 @@ async def hot_path_plans(
                 q.claim_after,
                 (_WORKER, 30.0, topics, 100, _BYTES, 100, 100, epoch, 0),
             ),
-            ("settle_done", q.settle_done, ([0], _WORKER, 1)),
+            ("settle_done", q.settle_done_text, ("{0}", _WORKER, 1)),
             ("settle_failed", q.settle_failed, ([0], [0.0], ["plans"], ["retry"], _WORKER, 1)),
         ],
         analyze=analyze,

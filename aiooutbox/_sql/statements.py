@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -23,6 +24,7 @@ __all__ = [
     "DEFAULT_TABLE",
     "Queries",
     "for_paramstyle",
+    "id_array",
     "queries",
     "validate_identifier",
 ]
@@ -85,6 +87,16 @@ def _fill(text: str, names: dict[str, str]) -> str:
     for key, value in names.items():
         text = text.replace("{{" + key + "}}", value)
     return text
+
+
+def id_array(ids: Sequence[int]) -> str:
+    """Row ids as the text of a PostgreSQL ``bigint[]``, for ``$n::text::bigint[]``.
+
+    asyncpg's binary encoder took about half a microsecond of client CPU per element
+    (a settlement of 470 ids: 314 µs against 80 µs as text, measured); the list's repr
+    is made in C, and the server parses it in about the time it decodes the binary.
+    """
+    return "{" + repr(ids if type(ids) is list else list(ids))[1:-1] + "}"
 
 
 @lru_cache(maxsize=64)
@@ -285,6 +297,11 @@ class Queries(MonitoringStatements):
         # fenced: only the claim this worker holds, on the attempt it claimed
         # $1 ids, $2 worker id, $3 attempts; returns (settled, promoted, skipped keys)
         return f"SELECT * FROM {self._function('settle_done_v5')}($1::bigint[], $2, $3::int)"
+
+    @property
+    def settle_done_text(self) -> str:
+        # `settle_done` with $1 the ids as text (`id_array`): what the settler sends
+        return f"SELECT * FROM {self._function('settle_done_v5')}($1::text::bigint[], $2, $3::int)"
 
     @property
     def settle_failed(self) -> str:
