@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncpg
 
 import aiooutbox
+from aiooutbox._sql.db import HeldConnection
 
 from .helpers import all_in, running, truthy, wait_until
 
@@ -59,3 +60,20 @@ async def test_a_small_pool_is_never_held_from(dsn: str) -> None:
     # use of the pool: every claim gives its connection back, as before
     resets, claims = await _drain(dsn, 1000, max_size=3)
     assert resets >= claims, (resets, claims)
+
+
+async def test_a_held_connection_whose_backend_died_is_replaced(dsn: str) -> None:
+    # terminated while held between two statements: the next use gets a new connection
+    # from the pool, without an error, and the pool's slot came back (not two holders)
+    async with asyncpg.create_pool(dsn, min_size=1, max_size=4) as pool:
+        held = HeldConnection(pool, 5.0)
+        async with held.use() as conn:
+            first = await conn.fetchval("SELECT pg_backend_pid()")
+        assert held.held
+        await pool.execute("SELECT pg_terminate_backend($1)", first)
+        await wait_until(truthy(lambda: pool.get_idle_size() == pool.get_size()), 10)
+        async with held.use() as conn:
+            second = await conn.fetchval("SELECT pg_backend_pid()")
+        assert second != first
+        await held.release()
+        await wait_until(truthy(lambda: pool.get_idle_size() == pool.get_size()), 10)

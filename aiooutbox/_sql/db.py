@@ -174,7 +174,7 @@ class HeldConnection:
         """The held connection (acquired first if none is), kept afterwards only if the
         body finished and nothing is left open on it."""
         conn, self._conn = self._conn, None
-        if conn is not None and (conn.is_closed() or pool_is_closed(self._pool)):
+        if conn is not None and self._unusable(conn):
             await self._give_back(conn)  # a closing pool gets its connection back
             conn = None
         if conn is None:
@@ -188,6 +188,14 @@ class HeldConnection:
                 self._conn = conn
             else:
                 await self._give_back(conn)
+
+    def _unusable(self, conn: asyncpg.Connection) -> bool:
+        try:
+            return conn.is_closed() or pool_is_closed(self._pool)
+        except asyncpg.InterfaceError:
+            # its backend went away while held: asyncpg gave the pool's slot back and
+            # detached this proxy, which refuses every call (a release is a no-op)
+            return True
 
     async def release(self) -> None:
         """Give the held connection back to the pool (shielded: it is never lost)."""
