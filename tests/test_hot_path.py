@@ -178,16 +178,3 @@ async def test_the_settlements_ids_go_as_array_text(conn: asyncpg.Connection) ->
     ids = [r["id"] for r in records]
     settled = await conn.fetchrow(Q.settle_done_text, id_array(ids), "w", 1)
     assert settled["settled"] == 1
-
-
-async def test_the_claim_commits_asynchronously_and_only_itself(conn: asyncpg.Connection) -> None:
-    # the claim's transaction does not wait for its WAL flush (see `_ASYNC_COMMIT`); the
-    # setting ends with it, so a pooled connection is given back as it came
-    await conn.execute("INSERT INTO outbox_events (topic, payload) VALUES ('t', '{}')")
-    before = await conn.fetchval("SHOW synchronous_commit")
-    for sql, extra in ((Q.claim, ()), (Q.claim_after, (datetime(1970, 1, 1, tzinfo=UTC), 0))):
-        async with conn.transaction():
-            await conn.fetch(sql, "w", 30.0, ["t"], 10, 1 << 30, 0, 0, *extra)
-            assert await conn.fetchval("SHOW synchronous_commit") == "off"
-        assert await conn.fetchval("SHOW synchronous_commit") == before
-    assert before == "on"

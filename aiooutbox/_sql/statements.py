@@ -120,16 +120,6 @@ _CLAIMED = (
 )
 
 
-# The claim commits without waiting for its WAL to reach disk (for its own transaction
-# only: ``set_config(..., true)`` ends with it). A claim that a server crash loses is
-# a claim that never happened: its rows are claimable again at once, as after a
-# consumer's crash, and a handler that already ran runs again (at-least-once, as ever).
-# WAL is one stream, so a later settlement (which commits synchronously) cannot
-# outlive the claim it settles; per-key order holds. Measured: a one-row claim at
-# light load spent 0.3-1 ms of its 1.5 ms waiting for that flush.
-_ASYNC_COMMIT = " CROSS JOIN pg_catalog.set_config('synchronous_commit', 'off', true) AS a"
-
-
 @dataclass(frozen=True)
 class Queries(MonitoringStatements):
     schema: str
@@ -291,7 +281,6 @@ class Queries(MonitoringStatements):
         return (
             f"SELECT {_CLAIMED} FROM {self._function('claim_v6')}"
             "($1, $2::float8, $3::text[], $4::int, $5::bigint, $6::int, $7::int) AS c"
-            + _ASYNC_COMMIT
         )
 
     @property
@@ -300,7 +289,7 @@ class Queries(MonitoringStatements):
         return (
             f"SELECT {_CLAIMED} FROM {self._function('claim_v6')}"
             "($1, $2::float8, $3::text[], $4::int, $5::bigint, $6::int, $7::int,"
-            " $8::timestamptz, $9::bigint) AS c" + _ASYNC_COMMIT
+            " $8::timestamptz, $9::bigint) AS c"
         )
 
     @property
