@@ -12,8 +12,8 @@ import logging
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import anyio
 import asyncpg
@@ -30,7 +30,7 @@ from .listener import Listener
 from .options import ConsumerOptions
 from .rows import ClaimedRow, ConsumerStats
 from .settler import Settler
-from .signals import Signals
+from .signals import Signals, wait_any, wait_for
 
 __all__ = ["Dispatcher", "Signals"]
 
@@ -137,7 +137,7 @@ class Dispatcher:
                 refill = max(1, o.claim_size // 4)
             if self._settler.backlog > o.max_unwritten:
                 await self._conn.release()  # the settler may need one to catch up
-                await _wait_for(self._settler.wait_flushed(), o.poll_interval)
+                await wait_for(self._settler.wait_flushed(), o.poll_interval)
                 continue
             if want <= 0 or (full and want < refill):
                 # a backlog is waiting: claim again as soon as enough slots free, when
@@ -146,7 +146,7 @@ class Dispatcher:
                 signals.clear_slot_freed()
                 try:
                     if self._conn.held:
-                        await _wait_for(signals.slot_freed.wait(), _HOLD_IDLE)
+                        await wait_for(signals.slot_freed.wait(), _HOLD_IDLE)
                         if signals.slot_freed.is_set():
                             continue
                         await self._conn.release()  # slow handlers: no claim for a while
@@ -169,7 +169,7 @@ class Dispatcher:
                 self._reconcile = True
                 self._claim_failed(exc, want, backoff)
                 # a listener that reconnects meanwhile shows the server is back: claim then
-                await _wait_any(
+                await wait_any(
                     (signals.stop, signals.listener_back), backoff * (0.5 + random.random())
                 )
                 backoff = min(backoff * 2, 5.0)
@@ -194,10 +194,10 @@ class Dispatcher:
             if rows:
                 linger = 0
             if self._flow.active and (soon := self._flow.tokens_soon(signals.wakes)) is not None:
-                await _wait_for(signals.wake.wait(), soon)  # not idle: tokens would pile up
+                await wait_for(signals.wake.wait(), soon)  # not idle: tokens would pile up
                 continue
             if linger < len(_LINGER) and self._arrivals.dense(time.monotonic()):
-                await _wait_for(signals.wake.wait(), _LINGER[linger])
+                await wait_for(signals.wake.wait(), _LINGER[linger])
                 linger += 1
                 continue
             listener = self._listener
@@ -238,14 +238,14 @@ class Dispatcher:
                 advertised_flow = self._flow.version
                 idle = await self._declare(busy=False)
                 advertised_at = time.monotonic()
-            await _wait_for(signals.wake.wait(), await self._idle_timeout(idle))
+            await wait_for(signals.wake.wait(), await self._idle_timeout(idle))
 
     async def _listener_back(self, listener: Listener) -> bool:
         """Ask the listener to reconnect now and wait for it (a connect's worth of time);
         say once per outage when it is not back."""
         tried = listener.reconnect_now()
         # a connect's worth of time (its timeout), or until a stop
-        await _wait_any((tried, self._signals.stop), self._o.statement_timeout)
+        await wait_any((tried, self._signals.stop), self._o.statement_timeout)
         if listener.connected:
             return True
         if self._is_stopping():
@@ -461,25 +461,3 @@ async def declare(
         o.poll_interval * 2 + 5.0,
         timeout=o.statement_timeout,
     )
-
-
-async def _wait_for(awaitable: Awaitable[Any], timeout: float) -> None:
-    with anyio.move_on_after(timeout):
-        await awaitable
-
-
-class _Waitable(Protocol):
-    async def wait(self) -> Any: ...
-
-
-async def _wait_any(events: tuple[_Waitable, ...], timeout: float) -> None:
-    """Until one of ``events`` is set, at most ``timeout`` seconds (off the hot path)."""
-    with anyio.move_on_after(timeout):
-        async with anyio.create_task_group() as group:
-
-            async def one(event: _Waitable) -> None:
-                await event.wait()
-                group.cancel_scope.cancel()
-
-            for event in events:
-                group.start_soon(one, event)

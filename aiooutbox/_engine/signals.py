@@ -1,13 +1,16 @@
 """`Signals`: the events the consumer's parts wake each other with (a notification, a
-freed slot, the listener back), each an `anyio.Event` re-armed after use."""
+freed slot, the listener back), each an `anyio.Event` re-armed after use, and the
+bounded waits on them."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Awaitable
+from typing import Any, Protocol
 
 import anyio
 
-__all__ = ["Signals"]
+__all__ = ["Signals", "wait_any", "wait_for"]
 
 
 class Signals:
@@ -55,3 +58,26 @@ class Signals:
     def clear_slot_freed(self) -> None:
         if self.slot_freed.is_set():
             self.slot_freed = anyio.Event()
+
+
+async def wait_for(awaitable: Awaitable[Any], timeout: float) -> None:
+    """Until ``awaitable`` is done, at most ``timeout`` seconds."""
+    with anyio.move_on_after(timeout):
+        await awaitable
+
+
+class Waitable(Protocol):
+    async def wait(self) -> Any: ...
+
+
+async def wait_any(events: tuple[Waitable, ...], timeout: float) -> None:
+    """Until one of ``events`` is set, at most ``timeout`` seconds (off the hot path)."""
+    with anyio.move_on_after(timeout):
+        async with anyio.create_task_group() as group:
+
+            async def one(event: Waitable) -> None:
+                await event.wait()
+                group.cancel_scope.cancel()
+
+            for event in events:
+                group.start_soon(one, event)

@@ -334,12 +334,19 @@ class Queries(MonitoringStatements):
     @property
     def extend_leases(self) -> str:
         # $1 ids, $2 worker id, $3 lease seconds; rows (id, attempts) still held, so the
-        # caller can tell its claim from a later claim of the same row
+        # caller can tell its claim from a later claim of the same row. The rows are
+        # locked in id order, as the settlements lock theirs: a plain UPDATE may take
+        # them in heap order (a bitmap scan), and a heartbeat and a settlement of the
+        # same rows then deadlocked, each holding a row the other wanted
+        q = self.qualified
         return (
-            f"UPDATE {self.qualified}"
+            f"UPDATE {q} AS e"
             " SET lease_expires_at = now() + make_interval(secs => $3::float8)"
-            " WHERE id = ANY ($1::bigint[]) AND status = 'processing' AND locked_by = $2"
-            " RETURNING id, attempts"
+            f" FROM (SELECT id FROM {q}"
+            "  WHERE id = ANY ($1::bigint[]) AND status = 'processing' AND locked_by = $2"
+            "  ORDER BY id FOR UPDATE) AS held"
+            " WHERE e.id = held.id"
+            " RETURNING e.id, e.attempts"
         )
 
     @property
