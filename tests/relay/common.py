@@ -140,6 +140,27 @@ class RelayProcess:
         return rc
 
 
+#: the relay's statements still running on the server (the test's own backends are idle);
+#: ``stuck`` counts those that wait on the frozen client: on a lock its open transaction
+#: holds, or to send it a result larger than the socket's buffers (a big claim)
+_RUNNING = (
+    "SELECT count(*) AS running, count(*) FILTER (WHERE wait_event_type = 'Client'"
+    " OR cardinality(pg_blocking_pids(pid)) > 0) AS stuck"
+    " FROM pg_stat_activity WHERE datname = current_database()"
+    " AND backend_type = 'client backend' AND state = 'active' AND pid <> pg_backend_pid()"
+)
+
+
+async def activity(pool: asyncpg.Pool) -> str:
+    """The database's backends, for a failure message."""
+    rows = await pool.fetch(
+        "SELECT pid, backend_type, state, wait_event_type, wait_event,"
+        " pg_blocking_pids(pid) AS blocked_by, now() - state_change AS for, left(query, 120) AS q"
+        " FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    )
+    return "\n".join(str(dict(r)) for r in rows)
+
+
 async def kill_midway(pool: asyncpg.Pool, dsn: str, to: str, total: int, *args: str) -> str:
     """Relay ``total`` events in a child, SIGKILL it after about a third, relay the rest
     in a second child; every row must end ``done``. Returns the second child's last log
@@ -147,26 +168,29 @@ async def kill_midway(pool: asyncpg.Pool, dsn: str, to: str, total: int, *args: 
     first = RelayProcess(dsn, to, "--concurrency", "256", *args)
     try:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + 60
+        deadline = loop.time() + 90
         # killed holding rows, so that the second relay has events to repeat: frozen
         # (SIGSTOP) once a third is done, and killed only if it still holds rows once
         # the statements it had sent are through; else thawed to try again (on a quiet
-        # machine it sometimes stood between a settled batch and its next claim)
+        # machine it sometimes stood between a settled batch and its next claim; a
+        # statement stuck on the frozen client never gets through)
+        freezes = 0
         while True:
             while (found := await counts(pool)).get("done", 0) < total // 3 or not found.get(
                 "processing"
             ):
                 assert first.proc.poll() is None, first.stderr()
-                assert loop.time() < deadline, first.stderr()
+                assert loop.time() < deadline, f"{found} after {freezes} freezes"
                 await asyncio.sleep(0.02)
             first.proc.send_signal(signal.SIGSTOP)
-            while await pool.fetchval(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-                " AND state = 'active' AND pid <> pg_backend_pid()"
-            ):
-                assert loop.time() < deadline, first.stderr()
+            freezes += 1
+            while (running := await pool.fetchrow(_RUNNING))["running"] > running["stuck"]:
+                if loop.time() > deadline:
+                    raise AssertionError(
+                        f"frozen {freezes} times, statements still running:\n{await activity(pool)}"
+                    )
                 await asyncio.sleep(0.01)
-            if (await counts(pool)).get("processing"):
+            if not running["stuck"] and (await counts(pool)).get("processing"):
                 break
             first.proc.send_signal(signal.SIGCONT)
     except BaseException:
