@@ -135,7 +135,10 @@ async def test_max_running_holds_across_three_processes_and_is_used(
     # at a load average of 10 on two cores (each gap between a run's end and the next
     # claim grows with the load); one worker at a time would be 1
     assert average >= 0.6 * limit
-    assert workers == 3
+    # the slots are shared across processes; which process gets a freed one is not
+    # promised: the one that just wrote an outcome claims again at once, and in 6 s one
+    # of three sometimes never found a slot free (seen once in a whole-suite run: 2 of 3)
+    assert workers >= 2
 
 
 @pytest.mark.slow
