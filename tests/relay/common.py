@@ -141,8 +141,10 @@ class RelayProcess:
 
 
 #: the relay's statements still running on the server (the test's own backends are idle);
-#: ``stuck`` counts those that wait on the frozen client: on a lock its open transaction
-#: holds, or to send it a result larger than the socket's buffers (a big claim)
+#: ``stuck`` counts those that wait on the frozen client: for the rest of a statement
+#: (asyncpg prepares before it executes: a client frozen in between leaves its backend
+#: ``active`` in ClientRead), to send it a result larger than the socket's buffers, or
+#: on a lock its open transaction holds
 _RUNNING = (
     "SELECT count(*) AS running, count(*) FILTER (WHERE wait_event_type = 'Client'"
     " OR cardinality(pg_blocking_pids(pid)) > 0) AS stuck"
