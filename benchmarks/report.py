@@ -350,6 +350,27 @@ def markdown(results: dict[str, Any]) -> str:
                 f"| {_fmt(run['catch_up_s'], 2)} | {_ok(run['keeps_up'])} |"
             )
 
+    floor = results.get("floor")
+    if floor:
+        lines += [
+            "",
+            f"Floor of this machine after {floor['gap_s']} s idle, {floor['samples']} samples "
+            "(benchmarks/floor.py; ms, p50 / p99): what any LISTEN-woken queue pays from a "
+            "producer's COMMIT before its handler could start.",
+            "",
+            "| round trip | p50 | p99 |",
+            "|---|---:|---:|",
+        ]
+        for key, what in (
+            ("select1_warm", "`SELECT 1`, back to back"),
+            ("select1_idle", "`SELECT 1` after the pause"),
+            ("write_idle", "one-row `INSERT`, committed, after the pause"),
+            ("heard_idle", "COMMIT (insert + `pg_notify`) to the notification heard"),
+            ("chain_idle", "COMMIT to heard, then a one-row write on a third connection"),
+        ):
+            p50, p99 = floor[key].get("p50"), floor[key].get("p99")
+            lines.append(f"| {what} | {_fmt(p50, 2)} | {_fmt(p99, 2)} |")
+
     wake = results.get("wakeup", {})
     if wake:
         lines += [

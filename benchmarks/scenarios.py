@@ -4,7 +4,8 @@ systems; every consumer runs in its own child process.
 1. drain: pre-enqueued no-op events at several backlog sizes;
 2. steady state: paced producers at fractions of each system's sustained maximum (the
    highest producer rate it kept up with here, found by bisection), end-to-end latency
-   (producer send → handler start) and whether the consumer keeps up;
+   (producer send → handler start) and whether the consumer keeps up, then the machine's
+   floor under light-load latency: round trips after an idle pause (benchmarks/floor.py);
 3. idle wake-up latency: NOTIFY vs poll-only;
 4. producer cost: commit rate of one-event transactions with a consumer running, the
    wake-up trigger enabled vs disabled;
@@ -50,6 +51,7 @@ from aiooutbox import OutboxError
 from . import (
     aiooutbox_runner,
     dashboard,
+    floor,
     flow,
     ordering_isolation,
     pgqueuer_runner,
@@ -109,6 +111,10 @@ class Config:
     steady_seconds: float = 15.0
     steady_producers: int = 4
     steady_tick: float = 0.01
+    # the machine's floor under light-load latency (benchmarks/floor.py): samples, and
+    # the idle pause before each
+    floor_samples: int = 40
+    floor_gap: float = 0.2
     catch_up_timeout: float = 15.0
     wakeup_samples: int = 60
     wakeup_gap: tuple[float, float] = (0.15, 0.35)
@@ -208,6 +214,7 @@ class Config:
             drain_rounds={5_000: 2, 20_000: 1},
             tune=False,
             steady_seconds=4.0,
+            floor_samples=10,
             capacity_steps=2,
             capacity_seconds=2.0,
             wakeup_samples=15,
@@ -579,6 +586,20 @@ class Bench:
                     run["max_rate"] = round(maxima[name], 1)
                 out.append(run)
         self.results["steady"] = out
+        config = self.config
+        self.results["floor"] = measured = await floor.measure(
+            self.admin_dsn,
+            self.prefix + "floor",
+            samples=config.floor_samples,
+            gap=config.floor_gap,
+        )
+        chain, idle, warm = (
+            measured[key]["p50"] for key in ("chain_idle", "select1_idle", "select1_warm")
+        )
+        self.log(
+            f"  floor after {config.floor_gap}s idle: COMMIT -> notification -> one-row write "
+            f"p50 {chain} ms; SELECT 1 {idle} ms (back to back {warm} ms)"
+        )
 
     async def sustained_maxima(self) -> dict[str, float]:
         """Bisect, per system, for the highest producer rate it keeps up with.

@@ -31,6 +31,8 @@ def tiny(*scenarios: str) -> Config:
         steady_fractions=[0.5],
         steady_rates=[300.0],
         steady_seconds=0.6,
+        floor_samples=3,
+        floor_gap=0.05,
         capacity_steps=1,
         capacity_seconds=0.6,
         steady_producers=2,

@@ -68,7 +68,7 @@ async def test_drain_and_history_scenarios_run_at_tiny_sizes(
 
 @pytest.mark.slow  # benchmark child processes
 async def test_steady_state_scenario_runs_at_tiny_sizes(pg_server: str, tmp_path: Path) -> None:
-    loaded, _ = await run_tiny(pg_server, tiny("steady"), tmp_path)
+    loaded, paths = await run_tiny(pg_server, tiny("steady"), tmp_path)
 
     # latencies measured for every event produced
     assert sorted((r["system"], r["fraction"] or 0) for r in loaded["steady"]) == [
@@ -93,6 +93,12 @@ async def test_steady_state_scenario_runs_at_tiny_sizes(pg_server: str, tmp_path
         assert (half["max_basis"], half["max_rate"]) == ("sustained", capacity["sustained_max"])
         assert half["offered_rate"] == pytest.approx(capacity["sustained_max"] / 2, rel=0.01)
     assert "steady state" in target_rows(loaded)
+    # the machine's floor: every quantity sampled; the chain contains its first part
+    floor = loaded["floor"]
+    for key in ("select1_warm", "select1_idle", "write_idle", "heard_idle", "chain_idle"):
+        assert floor[key]["n"] == floor["samples"] == 3 and positive(floor[key]["p50"]), floor
+    assert floor["chain_idle"]["p50"] > floor["heard_idle"]["p50"], floor
+    assert "COMMIT to heard, then a one-row write" in paths["markdown"].read_text()
 
 
 @pytest.mark.slow  # benchmark child processes
