@@ -42,7 +42,8 @@ REFERENCES: list[tuple[str, str, dict[str, Any]]] = [
 def _system(bench: Any, name: str) -> Any:
     database = f"{bench.prefix}ref_{name}"
     if name == "aiooutbox":
-        return aiooutbox_runner.System(bench.admin_dsn, database)
+        # --sql-patch applies here too: a schema change measured against the references
+        return aiooutbox_runner.System(bench.admin_dsn, database, sql_patch=bench.config.sql_patch)
     if name == "pgqueuer":
         return pgqueuer_runner.System(bench.admin_dsn, database)
     return peers.System(name, bench.admin_dsn, database)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import asyncpg
 import pytest
 
 from benchmarks.scenarios import Config
@@ -122,3 +123,45 @@ async def test_retention_scenario_runs_at_tiny_sizes(pg_server: str, tmp_path: P
     assert positive(section["purge"]["schedule_ceiling_rows_per_s"])
     text = paths["markdown"].read_text()
     assert "## History at scale and retention" in text and "Retention rounds" in text
+
+
+@pytest.mark.slow  # a child process per aiooutbox reference
+async def test_references_scenario_applies_the_sql_patch(
+    pg_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--sql-patch`` reaches the references' aiooutbox databases, as every other
+    scenario's: a schema change is measured against the bare loop in the same run."""
+    from benchmarks import aiooutbox_runner
+
+    patch = tmp_path / "marker.sql"
+    patch.write_text('CREATE TABLE "{{schema}}"."{{table}}_patched" ();\n', encoding="utf-8")
+    found: list[tuple[str, bool]] = []
+    setup = aiooutbox_runner.System.setup
+
+    async def setup_then_look(self: aiooutbox_runner.System) -> None:
+        await setup(self)
+        conn = await asyncpg.connect(self.dsn)
+        try:
+            marker = await conn.fetchval("SELECT to_regclass('outbox_events_patched') IS NOT NULL")
+        finally:
+            await conn.close()
+        found.append((self.database, marker))
+
+    monkeypatch.setattr(aiooutbox_runner.System, "setup", setup_then_look)
+    config = Config(
+        scenarios=["references"],
+        tune=False,
+        references_size=300,
+        references_rounds=1,
+        references_only=["aiooutbox"],
+        sql_patch=str(patch),
+    )
+    loaded, _ = await run_tiny(pg_server, config, tmp_path)
+    rows = loaded["references"]["rows"]
+    assert [r["system"] for r in rows] == ["aiooutbox", "aiooutbox"]
+    for row in rows:
+        (run,) = row["runs"]
+        assert "error" not in run and run["handled"] >= run["n"], run
+    # each reference drains in a fresh, patched database
+    refs = [marker for database, marker in found if "ref_" in database]
+    assert len(refs) == 2 and all(refs), found
