@@ -1,0 +1,2 @@
+-- the shipped schema, unchanged (the baseline of the lean-schema runs)
+SELECT 1;

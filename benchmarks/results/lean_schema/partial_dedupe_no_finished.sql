@@ -1,0 +1,6 @@
+-- dedupe_key index partial (WHERE dedupe_key IS NOT NULL): breaks SQL producers' ON CONFLICT (dedupe_key),
+-- and no finished_at index: retention would have to find old done rows another way
+DROP INDEX "{{schema}}"."{{table}}_dedupe_key_idx";
+CREATE UNIQUE INDEX "{{table}}_dedupe_key_idx" ON "{{schema}}"."{{table}}" (dedupe_key)
+    WHERE dedupe_key IS NOT NULL;
+DROP INDEX "{{schema}}"."{{table}}_finished_idx";
