@@ -184,7 +184,7 @@ async def kill_midway(pool: asyncpg.Pool, dsn: str, to: str, total: int, *args: 
                 "processing"
             ):
                 assert first.proc.poll() is None, first.stderr()
-                assert loop.time() < deadline, f"{found} after {freezes} freezes"
+                assert loop.time() < deadline, f"{found} after {freezes} freezes\n{first.stderr()}"
                 await asyncio.sleep(0.02)
             first.proc.send_signal(signal.SIGSTOP)
             freezes += 1
