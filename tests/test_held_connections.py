@@ -34,7 +34,11 @@ async def _drain(dsn: str, events: int, max_size: int) -> tuple[int, int]:
             events,
         )
         async with asyncpg.create_pool(dsn, min_size=1, max_size=max_size, reset=reset) as pool:
-            consumer = aiooutbox.OutboxConsumer(pool, concurrency=32, poll_interval=30)
+            # small claims: hundreds of them, so the start-up's and the periodic loops'
+            # own borrowings (a dozen, whatever the drain's size) cannot pass for them
+            consumer = aiooutbox.OutboxConsumer(
+                pool, concurrency=32, batch_size=16, poll_interval=30
+            )
             async with running(consumer, {"t": _noop}):
                 await wait_until(all_in(watch, "done", events), 60)
                 claims, drained = consumer.stats.claims, resets
@@ -47,12 +51,13 @@ async def _drain(dsn: str, events: int, max_size: int) -> tuple[int, int]:
 
 
 async def test_a_drain_keeps_its_connections_and_gives_them_back_when_idle(dsn: str) -> None:
-    resets, claims = await _drain(dsn, 3000, max_size=10)
-    # dozens of claims and as many flushes: each gave its connection back (a reset: a
+    resets, claims = await _drain(dsn, 5000, max_size=10)
+    # hundreds of claims and as many flushes: each gave its connection back (a reset: a
     # round trip, four statements on the server) before the claim loop and the settler
-    # kept theirs; now the other loops' statements and the start-up are most of them
-    assert claims >= 20, claims
-    assert resets < claims / 2, (resets, claims)
+    # kept theirs; now the resets are the start-up's schema check and the other loops'
+    # first rounds (12 here, at any drain size)
+    assert claims >= 200, claims
+    assert resets < claims / 10, (resets, claims)
 
 
 async def test_a_small_pool_is_never_held_from(dsn: str) -> None:
