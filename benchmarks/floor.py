@@ -57,13 +57,13 @@ async def _measure(dsn: str, samples: int, gap: float) -> dict[str, Any]:
     heard: asyncio.Queue[float] = asyncio.Queue()
     written: asyncio.Queue[tuple[float, float]] = asyncio.Queue()
 
-    async def claim_when_heard() -> None:
+    async def write_when_heard() -> None:
         while True:
             at = await heard.get()
             await worker.execute("INSERT INTO floor_rows DEFAULT VALUES")
             written.put_nowait((at, time.perf_counter()))
 
-    claimer = asyncio.create_task(claim_when_heard())
+    writer = asyncio.create_task(write_when_heard())
     try:
         await conn.execute("CREATE TABLE floor_rows (id bigint GENERATED ALWAYS AS IDENTITY)")
         await listener.add_listener(_CHANNEL, lambda *_: heard.put_nowait(time.perf_counter()))
@@ -92,8 +92,8 @@ async def _measure(dsn: str, samples: int, gap: float) -> dict[str, Any]:
             times["heard_idle"].append(at - committing)
             times["chain_idle"].append(done - committing)
     finally:
-        claimer.cancel()
-        await asyncio.gather(claimer, return_exceptions=True)
+        writer.cancel()
+        await asyncio.gather(writer, return_exceptions=True)
         for c in (worker, listener, conn):
             await c.close()
     out: dict[str, Any] = {"samples": samples, "gap_s": gap}
