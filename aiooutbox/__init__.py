@@ -12,12 +12,13 @@ from . import sync
 from .consumer import ConsumerStats, OutboxConsumer
 from .errors import Dead, InvalidArgument, OutboxError, Retry, SchemaNotReady, SchemaTooNew
 from .events import Event, NewEvent
-from .handlers import Handler, HandlerFunc, Router
+from .handlers import BatchHandlerFunc, Handler, HandlerFunc, Router
 from .migrations import check_schema, migrate, migration_sql
 from .producer import enqueue, enqueue_many
 from .retry import RetryPolicy
 
 __all__ = [
+    "BatchHandlerFunc",
     "ConsumerStats",
     "Dead",
     "Event",

@@ -46,6 +46,7 @@ from ._admin.flow import (
     topic_info,
     topics,
 )
+from ._admin.groups import GroupLimit, GroupStats, group_limits, group_stats, limit_groups
 from ._admin.records import (
     STATUSES,
     BlockedKey,
@@ -71,6 +72,8 @@ __all__ = [
     "BlockedKey",
     "DeadEvent",
     "FlowChange",
+    "GroupLimit",
+    "GroupStats",
     "OutboxStats",
     "TopicControl",
     "TopicInfo",
@@ -83,6 +86,9 @@ __all__ = [
     "delete_dead",
     "event_statuses",
     "flow_history",
+    "group_limits",
+    "group_stats",
+    "limit_groups",
     "limit_topic",
     "parse_duration",
     "parse_rate",

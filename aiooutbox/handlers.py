@@ -1,4 +1,9 @@
-"""Handler registration: a plain mapping, or a `Router` with per-topic options."""
+"""Handler registration: a plain mapping, or a `Router` with per-topic options.
+
+A handler takes one event (``async def handler(event)``), or, registered with
+``batch=N`` (`Handler(fn, batch=N)`, `Router.batch`), a list of up to N events of its
+topic (``async def handler(events)``) and says which of them failed (docs/batches.md).
+"""
 
 from __future__ import annotations
 
@@ -7,32 +12,61 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
-from ._values.limits import check_seconds, check_topic_name
+from ._values.limits import check_count, check_seconds, check_topic_name
 from .errors import InvalidArgument
 from .events import Event
 from .retry import RetryPolicy
 
-__all__ = ["ALL_TOPICS", "Handler", "HandlerFunc", "Router", "resolve_handlers"]
+__all__ = [
+    "ALL_TOPICS",
+    "MAX_BATCH",
+    "MAX_LINGER",
+    "BatchHandlerFunc",
+    "Handler",
+    "HandlerFunc",
+    "Router",
+    "resolve_handlers",
+]
 
 #: register a handler under this topic to handle every topic that has no handler of
 #: its own; the consumer then claims every topic in the outbox (what relays do)
 ALL_TOPICS = "*"
 
+#: the most events one call of a batch handler may be given, and its longest linger
+MAX_BATCH = 100_000
+MAX_LINGER = 60.0
+
 HandlerFunc = Callable[[Event], Awaitable[Any]]
+#: ``async def handler(events: list[Event]) -> None | Mapping[int, BaseException]``:
+#: None when every event is done, else the failed events' ids mapped to why they failed
+BatchHandlerFunc = Callable[[list[Event]], Awaitable[Any]]
 F = TypeVar("F", bound=HandlerFunc)
+B = TypeVar("B", bound=BatchHandlerFunc)
 
 
 @dataclass(frozen=True)
 class Handler:
-    """A handler with per-topic options; `None` means "use the consumer's default"."""
+    """A handler with per-topic options; `None` means "use the consumer's default".
 
-    func: HandlerFunc
+    ``batch=N`` makes ``func`` a batch handler: it is called with a list of up to N
+    claimed events of its topic and returns None (every event done) or a mapping of
+    the failed events' ids to exceptions (docs/batches.md). ``linger`` (seconds, batch
+    handlers only) lets a call wait up to that long for a batch to fill; 0 calls it at
+    once with what is there.
+    """
+
+    #: a `HandlerFunc`, or with ``batch`` a `BatchHandlerFunc`
+    func: Callable[[Any], Awaitable[Any]]
     retry: RetryPolicy | None = None
+    #: for a batch handler: the whole call's limit
     timeout: float | None = None
     #: what a dead ordered event does to its key: "skip" (the key moves on to its next
     #: event, as SQS FIFO does) or "block" (the key waits until an operator retries or
     #: purges the dead event); unordered events are unaffected
     on_dead: Literal["skip", "block"] = "skip"
+    #: None: ``func`` takes one event; N: it takes a list of up to N events
+    batch: int | None = None
+    linger: float = 0.0
 
 
 class Router(Mapping[str, Handler]):
@@ -63,6 +97,30 @@ class Router(Mapping[str, Handler]):
 
         return register
 
+    def batch(
+        self,
+        topic: str,
+        *,
+        size: int,
+        retry: RetryPolicy | None = None,
+        timeout: float | None = None,
+        on_dead: Literal["skip", "block"] = "skip",
+        linger: float = 0.0,
+    ) -> Callable[[B], B]:
+        """Register a batch handler, called with a list of up to ``size`` events:
+
+        ```python
+        @router.batch("orders.created", size=500)
+        async def publish(events: list[aiooutbox.Event]) -> None: ...
+        ```
+        """
+
+        def register(func: B) -> B:
+            self._add(topic, Handler(func, retry, timeout, on_dead, size, linger))
+            return func
+
+        return register
+
     def add(
         self,
         topic: str,
@@ -72,10 +130,13 @@ class Router(Mapping[str, Handler]):
         timeout: float | None = None,
         on_dead: Literal["skip", "block"] = "skip",
     ) -> None:
+        self._add(topic, Handler(func, retry, timeout, on_dead))
+
+    def _add(self, topic: str, handler: Handler) -> None:
         _check_topic(topic)
         if topic in self._handlers:
             raise InvalidArgument(f"topic {topic!r} already has a handler")
-        self._handlers[topic] = _check_handler(topic, Handler(func, retry, timeout, on_dead))
+        self._handlers[topic] = _check_handler(topic, handler)
 
     def __getitem__(self, topic: str) -> Handler:
         return self._handlers[topic]
@@ -104,9 +165,10 @@ def _check_topic(topic: object) -> None:
 
 def _check_handler(topic: str, handler: Handler) -> Handler:
     if not callable(handler.func) or not _is_async_callable(handler.func):
+        shape = "handler(event) -> None" if handler.batch is None else "handler(events) -> None"
         raise TypeError(
             f"the handler for {topic!r} must be an async function "
-            f"(async def handler(event) -> None), got {handler.func!r}"
+            f"(async def {shape}), got {handler.func!r}"
         )
     if handler.retry is not None and not isinstance(handler.retry, RetryPolicy):
         raise TypeError(f"retry for {topic!r} must be a RetryPolicy, got {handler.retry!r}")
@@ -119,6 +181,17 @@ def _check_handler(topic: str, handler: Handler) -> Handler:
         raise InvalidArgument(
             f"on_dead for {topic!r} must be 'skip' or 'block', got {handler.on_dead!r}"
         )
+    if handler.batch is not None:
+        check_count(f"batch for {topic!r}", handler.batch, 1, MAX_BATCH)
+    if type(handler.linger) is not float or handler.linger != 0.0:
+        seconds = check_seconds(f"linger for {topic!r}", handler.linger, maximum=MAX_LINGER)
+        if handler.batch is None and seconds:
+            raise InvalidArgument(
+                f"linger for {topic!r} applies to batch handlers only (Handler(fn, batch=N, "
+                "linger=...))"
+            )
+        if type(handler.linger) is not float:
+            handler = replace(handler, linger=seconds)
     return handler
 
 

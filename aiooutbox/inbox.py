@@ -17,7 +17,10 @@ await message.ack()
 for a copy already processed, so a message redelivered after a crash between the
 commit and the ack is skipped. Two copies delivered at once to two workers: the second
 `record` waits for the first transaction and returns False if it committed, True if it
-rolled back. The table is ``<table>_inbox`` beside the outbox, made by ``migrate``.
+rolled back. Under REPEATABLE READ, a copy committed after the transaction's snapshot
+is False as well (the insert runs in a savepoint there, its serialization failure taken
+back); under SERIALIZABLE it is PostgreSQL's serialization failure, which such a caller
+retries. The table is ``<table>_inbox`` beside the outbox, made by ``migrate``.
 
 Ids are kept until `purge` removes them: keep them longer than a message can be
 redelivered (the broker's retention or redelivery window).
@@ -31,7 +34,7 @@ from typing import Any
 import asyncpg
 
 from ._sql import drivers
-from ._sql.inbox import InboxQueries, inbox_queries
+from ._sql.inbox import SAVEPOINT, InboxQueries, inbox_queries
 from ._sql.statements import DEFAULT_SCHEMA, DEFAULT_TABLE
 from ._values.limits import InvalidArgument, check_count, check_seconds
 
@@ -40,6 +43,10 @@ __all__ = ["DEFAULT_CONSUMER", "purge", "record", "record_sync"]
 DEFAULT_CONSUMER = "default"
 MAX_CONSUMER = 200
 MAX_MESSAGE_ID = 1000
+#: the levels under which `InboxQueries.record` inserts at once (the same in PostgreSQL)
+_INSERTED_AT_ONCE = frozenset({"read committed", "read uncommitted"})
+_SNAPSHOT = "repeatable read"
+_SERIALIZATION_FAILURE = "40001"
 
 
 async def record(
@@ -54,13 +61,33 @@ async def record(
     True if this is its first delivery (do the work), False if it was processed before.
 
     ``conn`` is an asyncpg ``Connection`` inside a transaction, a SQLAlchemy
-    ``AsyncSession``/``AsyncConnection`` or a psycopg ``AsyncConnection`` not in
-    autocommit mode: the record must commit or roll back with the work it guards, so a
-    pool or a connection outside a transaction is refused with `InvalidArgument`.
+    ``AsyncSession``/``AsyncConnection`` or a psycopg ``AsyncConnection``, inside a
+    transaction: the record must commit or roll back with the work it guards, so a pool,
+    or a connection whose statements commit on their own (autocommit, SQLAlchemy's
+    ``AUTOCOMMIT`` isolation), is refused with `InvalidArgument` before anything is
+    written. Under REPEATABLE READ a copy committed after the transaction's snapshot is
+    False too; under SERIALIZABLE it is PostgreSQL's serialization failure (retry).
     """
     execute = drivers.async_executor(conn, action="record an inbox message on")
-    q, params = _prepare(conn, message_id, consumer, schema, table)
-    return bool(await execute(q.outbox, q.record, params))
+    q, params = _prepare(message_id, consumer, schema, table)
+    if not await drivers.async_in_transaction(conn):
+        raise _outside(conn)
+    rows = await execute(q.outbox, q.record, params)
+    level, inserted = rows[0][0], rows[0][1]
+    if level in _INSERTED_AT_ONCE:
+        return bool(inserted)
+    if level != _SNAPSHOT:  # serializable: a failure there is the caller's to retry
+        return bool(await execute(q.outbox, q.record_checked, params))
+    await execute(q.outbox, f"SAVEPOINT {SAVEPOINT}", ())
+    try:
+        rows = await execute(q.outbox, q.record_checked, params)
+    except Exception as exc:
+        if drivers.sqlstate(exc) != _SERIALIZATION_FAILURE:
+            raise
+        await execute(q.outbox, f"ROLLBACK TO SAVEPOINT {SAVEPOINT}", ())
+        rows = []  # committed by another transaction after this one's snapshot
+    await execute(q.outbox, f"RELEASE SAVEPOINT {SAVEPOINT}", ())
+    return bool(rows)
 
 
 def record_sync(
@@ -74,8 +101,25 @@ def record_sync(
     """`record` for blocking code: a psycopg or psycopg2 connection, a SQLAlchemy
     ``Session``/``Connection``, or Django's ``connection`` inside ``atomic()``."""
     execute = drivers.sync_executor(conn, action="record an inbox message on")
-    q, params = _prepare(conn, message_id, consumer, schema, table)
-    return bool(execute(q.outbox, q.record, params))
+    q, params = _prepare(message_id, consumer, schema, table)
+    if not drivers.sync_in_transaction(conn):
+        raise _outside(conn)
+    rows = execute(q.outbox, q.record, params)
+    level, inserted = rows[0][0], rows[0][1]
+    if level in _INSERTED_AT_ONCE:
+        return bool(inserted)
+    if level != _SNAPSHOT:
+        return bool(execute(q.outbox, q.record_checked, params))
+    execute(q.outbox, f"SAVEPOINT {SAVEPOINT}", ())
+    try:
+        rows = execute(q.outbox, q.record_checked, params)
+    except Exception as exc:
+        if drivers.sqlstate(exc) != _SERIALIZATION_FAILURE:
+            raise
+        execute(q.outbox, f"ROLLBACK TO SAVEPOINT {SAVEPOINT}", ())
+        rows = []
+    execute(q.outbox, f"RELEASE SAVEPOINT {SAVEPOINT}", ())
+    return bool(rows)
 
 
 async def purge(
@@ -101,9 +145,9 @@ async def purge(
 
 
 def _prepare(
-    conn: Any, message_id: object, consumer: object, schema: str, table: str
+    message_id: object, consumer: object, schema: str, table: str
 ) -> tuple[InboxQueries, tuple[str, str]]:
-    """Check every argument and that ``conn`` is inside a transaction, before any I/O."""
+    """Check every argument, before any I/O."""
     q = inbox_queries(schema, table)
     for name, value, longest in (
         ("message_id", message_id, MAX_MESSAGE_ID),
@@ -115,22 +159,14 @@ def _prepare(
             raise InvalidArgument(
                 f"{name} must be 1-{longest} characters without NUL, got {value[:80]!r}"
             )
-    if not _in_transaction(conn):
-        raise InvalidArgument(
-            "inbox.record must run inside the transaction that does the message's work "
-            "(a pool, or a connection in autocommit mode, would record the id on its own)"
-        )
     return q, (str(consumer), str(message_id))
 
 
-def _in_transaction(conn: Any) -> bool:
-    """Whether a statement on ``conn`` joins a transaction the caller commits."""
-    if isinstance(conn, asyncpg.Pool):
-        return False
-    if isinstance(conn, asyncpg.Connection):
-        return bool(conn.is_in_transaction())
-    if hasattr(conn, "in_atomic_block"):  # Django: atomic() or autocommit off
-        return bool(conn.in_atomic_block or not conn.get_autocommit())
-    autocommit = getattr(conn, "autocommit", False)  # psycopg, psycopg2
-    # SQLAlchemy sessions and connections begin one on their first statement
-    return autocommit is False
+def _outside(conn: object) -> InvalidArgument:
+    kind = f"{type(conn).__module__}.{type(conn).__qualname__}"
+    return InvalidArgument(
+        "inbox.record must run inside the transaction that does the message's work: this "
+        f"{kind} is not in one (a pool, or a connection in autocommit mode or SQLAlchemy's "
+        "AUTOCOMMIT isolation, would commit the id on its own, and a failure of the work "
+        "would then lose the message)"
+    )

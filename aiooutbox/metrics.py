@@ -1,7 +1,7 @@
 """Prometheus metrics for consumers, the queue table's gauges, and a ``/metrics`` server.
 
-Needs the ``prometheus`` extra (``pip install "aiooutbox[prometheus]"``); ``import
-aiooutbox`` never imports this module. Three parts:
+Needs the ``prometheus`` extra (prometheus_client); ``import aiooutbox`` never imports
+this module. Three parts:
 
 - `OutboxMetrics`, an observer: ``OutboxConsumer(pool, observers=[metrics])`` counts
   outcomes, handler and claim durations, and reads the consumers' gauges (in flight,
@@ -22,11 +22,12 @@ One process serving several databases (``relay --dsn A --dsn B``) names each:
 ``metrics.queue_gauges(pool_a, database="a")`` its table's gauges; every family then
 carries a ``database`` label. Without names the families are as they always were.
 
-The collectors that turn counts into families at scrape time are in
-`_observability.collectors`; the queue query's loop is `_observability.queue_gauges`,
-the server `_observability.http_server` (both importable from here). Every metric, its
-labels and alert rules are in docs/observability.md.
+Every metric, its labels and alert rules are in docs/observability.md.
 """
+
+# The collectors that turn counts into families at scrape time are in
+# `_observability.collectors`; the queue query's loop is `_observability.queue_gauges`,
+# the server `_observability.http_server` (both importable from here).
 
 from __future__ import annotations
 
@@ -34,21 +35,24 @@ import asyncio
 import contextlib
 import logging
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import anyio
 import asyncpg
+
+from ._values.extras import install_hint
 
 try:
     from prometheus_client import REGISTRY, CollectorRegistry
     from prometheus_client.registry import Collector
 except ImportError as exc:  # pragma: no cover - exercised by the packaging test
     raise ImportError(
-        'aiooutbox.metrics needs prometheus_client: pip install "aiooutbox[prometheus]"'
+        f"aiooutbox.metrics needs prometheus_client: {install_hint('prometheus')}"
     ) from exc
 
 from ._observability.collectors import (
+    BATCH_BUCKETS,
     ConsumerGauges,
     Consumers,
     EventCollector,
@@ -100,6 +104,27 @@ class _Counting(Observer):
     def settled(self, topic: str, outcome: str) -> None:
         key = (topic, outcome)
         self._outcomes[key] = self._outcomes.get(key, 0) + 1
+
+    def batch_finished(
+        self,
+        events: list[Event],
+        token: Any,
+        outcomes: Mapping[str, int],
+        seconds: float,
+        error: BaseException | None,
+    ) -> None:
+        # the events' outcomes are counted by `settled`, one by one; here the call
+        if not events:
+            return
+        topic = events[0].topic
+        histogram = self._handler.get(topic)
+        if histogram is None:
+            histogram = self._handler[topic] = PlainHistogram(self._handler_bounds)
+        histogram.observe(seconds)
+        sizes = self._counts.batch_sizes.get(topic)
+        if sizes is None:
+            sizes = self._counts.batch_sizes[topic] = PlainHistogram(BATCH_BUCKETS)
+        sizes.observe(len(events))
 
 
 class OutboxMetrics(_Counting):

@@ -4,10 +4,22 @@
 advisory lock so that processes starting together don't race, and refuses to touch a
 database migrated by a newer aiooutbox. `migration_sql` renders the same SQL for teams
 that apply migrations with their own tool.
+
+A file may split itself into steps with ``-- step: concurrent index`` and
+``-- step: transaction`` lines. A concurrent-index step is one ``CREATE INDEX
+CONCURRENTLY IF NOT EXISTS`` statement, run outside any transaction so that writers
+keep writing while it reads the table; the transaction steps around it must be safe to
+run again (an interrupted build leaves them committed), and the migration is recorded
+with its last step. Such a file runs under a session-level advisory lock of its own
+(the build lock), taken by polling so that no waiting `migrate` holds the snapshot a
+concurrent build waits for; an index a cancelled build left invalid is dropped and built
+again. ``concurrently=False`` builds it inside the migration's one transaction instead
+(as PgBouncer in transaction mode requires; it blocks writes while it reads the rows).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from dataclasses import dataclass
@@ -19,6 +31,17 @@ from pathlib import Path
 import asyncpg
 
 from ._sql.db import PermanentDatabaseError, check_permanent
+from ._sql.index_builds import (
+    NOT_ONE_SESSION,
+    POLL,
+    TRY_XACT_LOCK,
+    build_index,
+    build_key,
+    concurrent_index,
+    in_transaction,
+    release_build_lock,
+    take_build_lock,
+)
 from ._sql.statements import DEFAULT_SCHEMA, DEFAULT_TABLE, Queries, queries
 from ._values.text import exception_message
 from .errors import SchemaNotReady, SchemaTooNew
@@ -28,6 +51,17 @@ __all__ = ["Migration", "check_schema", "migrate", "migration_sql", "migrations"
 logger = logging.getLogger("aiooutbox.migrations")
 
 _FILE = re.compile(r"(\d{4})_([a-z0-9_]+)\.sql\Z")
+
+
+@dataclass(frozen=True)
+class Step:
+    """A part of a migration file: SQL run in a transaction, or one concurrent index build."""
+
+    template: str
+    concurrent_index: bool = False
+
+
+_STEP = re.compile(r"^-- step: (concurrent index|transaction)[ \t]*$", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -43,6 +77,19 @@ class Migration:
     name: str
     template: str
     compatible_with: int | None = None
+
+    @property
+    def steps(self) -> tuple[Step, ...]:
+        """The file's steps, in order (one transaction step for most files)."""
+        parts = _STEP.split(self.template)
+        steps = [Step(parts[0])]
+        for kind, text in zip(parts[1::2], parts[2::2], strict=True):
+            steps.append(Step(text, concurrent_index=kind == "concurrent index"))
+        return tuple(s for s in steps if s.concurrent_index or s.template.strip())
+
+    @property
+    def builds_concurrently(self) -> bool:
+        return any(s.concurrent_index for s in self.steps)
 
 
 _COMPATIBLE = re.compile(r"^-- compatible-with: (\d+)\s*$", re.MULTILINE)
@@ -87,12 +134,19 @@ def latest_version() -> int:
 
 
 def migration_sql(
-    *, schema: str = DEFAULT_SCHEMA, table: str = DEFAULT_TABLE, since: int = 0
+    *,
+    schema: str = DEFAULT_SCHEMA,
+    table: str = DEFAULT_TABLE,
+    since: int = 0,
+    concurrently: bool = False,
 ) -> str:
     """The SQL of every migration after ``since``, ready for psql or a migration tool.
 
     It also creates the version table and records each version, so a later `migrate`
-    (or a consumer's startup check) sees the schema as current.
+    (or a consumer's startup check) sees the schema as current. Each migration is one
+    transaction; with ``concurrently=True`` a migration that builds an index
+    concurrently is rendered as its steps instead (its ``CREATE INDEX CONCURRENTLY``
+    outside any transaction, as psql runs it; the version recorded with the last step).
     """
     q = queries(schema, table)
     parts = [
@@ -103,7 +157,22 @@ def migration_sql(
     for m in migrations():
         if m.version <= since:
             continue
-        parts += [f"-- migration {m.version:04d}_{m.name}", "BEGIN;", q.render(m.template).strip()]
+        parts.append(f"-- migration {m.version:04d}_{m.name}")
+        if concurrently and m.builds_concurrently:
+            for step in m.steps[:-1]:
+                if step.concurrent_index:
+                    index = concurrent_index(q, step.template)
+                    parts += [
+                        "-- outside a transaction; if it is interrupted, run "
+                        f'DROP INDEX CONCURRENTLY IF EXISTS "{index.schema}"."{index.name}"; '
+                        "and this statement again",
+                        index.sql,
+                    ]
+                else:
+                    parts += ["BEGIN;", q.render(step.template).strip(), "COMMIT;"]
+            parts += ["BEGIN;", q.render(m.steps[-1].template).strip()]
+        else:
+            parts += ["BEGIN;", _in_one_transaction(q, m).strip()]
         if _in_versions_table(m):
             parts.append(
                 f"INSERT INTO {q.versions_table} (version, name) VALUES ({m.version}, '{m.name}');"
@@ -117,24 +186,43 @@ def migration_sql(
     return "\n".join(parts) + "\n"
 
 
+def _in_one_transaction(q: Queries, m: Migration) -> str:
+    if not m.builds_concurrently:
+        return q.render(m.template)
+    return "".join(
+        in_transaction(concurrent_index(q, s.template))
+        if s.concurrent_index
+        else q.render(s.template)
+        for s in m.steps
+    )
+
+
 async def migrate(
     conn_or_pool: asyncpg.Connection | asyncpg.Pool,
     *,
     schema: str = DEFAULT_SCHEMA,
     table: str = DEFAULT_TABLE,
+    concurrently: bool = True,
 ) -> list[int]:
     """Bring the outbox schema up to date; return the versions applied (often none).
 
-    Idempotent and safe to call from many processes at once.
+    Idempotent and safe to call from many processes at once. An index that a migration
+    builds on an existing outbox table is built with ``CREATE INDEX CONCURRENTLY``,
+    outside a transaction, so producers and consumers keep writing meanwhile (an index
+    on an outbox this call created is built in its transaction); that needs one
+    server session for the whole call (a direct connection, or PgBouncer in session
+    mode). ``concurrently=False`` builds it inside the migration's transaction instead,
+    as behind PgBouncer in transaction mode: writes to the outbox then wait until the
+    build has read the table's claimable rows.
     """
     q = queries(schema, table)
     if isinstance(conn_or_pool, asyncpg.Pool):
         async with conn_or_pool.acquire() as conn:
-            return await _migrate(conn, q)
-    return await _migrate(conn_or_pool, q)
+            return await _migrate(conn, q, concurrently)
+    return await _migrate(conn_or_pool, q, concurrently)
 
 
-async def _migrate(conn: asyncpg.Connection, q: Queries) -> list[int]:
+async def _migrate(conn: asyncpg.Connection, q: Queries, concurrently: bool) -> list[int]:
     # One lock per schema, not per table: outboxes migrated together into a new schema
     # would otherwise race on CREATE SCHEMA IF NOT EXISTS (a unique violation). A
     # transaction-level lock, taken again by every step: it needs no unlock, and each
@@ -151,16 +239,17 @@ async def _migrate(conn: asyncpg.Connection, q: Queries) -> list[int]:
         await conn.execute(q.create_compat_versions_table)
     done: list[int] = []
     for m in migrations():
-        # each migration in its own transaction: 0004 adds an enum value that 0005 uses
-        async with conn.transaction():
-            await conn.execute(q.advisory_xact_lock, key)
-            if m.version in await _applied(conn, q):  # another process got here first
-                continue
-            await conn.execute(q.render(m.template))
-            if _in_versions_table(m):
-                await conn.execute(q.record_version, m.version, m.name)
-            if m.compatible_with is not None:
-                await conn.execute(q.record_compat_version, m.version, m.name, m.compatible_with)
+        # an outbox this call created has no writers to keep going: its index is built in
+        # the migration's transaction (a concurrent build would wait for every older
+        # transaction in the database)
+        if m.builds_concurrently and concurrently and 1 not in done:
+            applied = await _apply_in_steps(conn, q, m, key)
+        elif m.builds_concurrently:
+            applied = await _apply(conn, q, m, key, build_key=build_key(q))
+        else:
+            applied = await _apply(conn, q, m, key)
+        if not applied:
+            continue
         logger.info(
             "applied migration %04d_%s to %s",
             m.version,
@@ -170,6 +259,121 @@ async def _migrate(conn: asyncpg.Connection, q: Queries) -> list[int]:
         )
         done.append(m.version)
     return done
+
+
+async def _record(conn: asyncpg.Connection, q: Queries, m: Migration) -> None:
+    if _in_versions_table(m):
+        await conn.execute(q.record_version, m.version, m.name)
+    if m.compatible_with is not None:
+        await conn.execute(q.record_compat_version, m.version, m.name, m.compatible_with)
+
+
+# A migration's transaction waits at most this long for a lock (after its advisory
+# lock), then rolls back and tries again: queued behind a long transaction that reads
+# the outbox (a pg_dump, a forgotten BEGIN), its ALTER TABLE's ACCESS EXCLUSIVE request
+# would hold up every producer and consumer behind it until that transaction ends.
+_LOCK_TIMEOUT = "2s"
+_RETRY_AFTER = 1.0  # seconds between those tries: the writers queued meanwhile go on
+_OLDEST = (
+    "SELECT pid, extract(epoch FROM now() - xact_start)::int, left(query, 80)"
+    " FROM pg_stat_activity WHERE datname = current_database() AND xact_start IS NOT NULL"
+    " AND pid <> pg_backend_pid() ORDER BY xact_start LIMIT 1"
+)
+
+
+async def _lock_timed_out(conn: asyncpg.Connection, q: Queries, m: Migration) -> None:
+    oldest = await conn.fetchrow(_OLDEST)
+    logger.warning(
+        "migration %04d_%s waited %s for a lock on %s; trying again in %.0f s (the oldest"
+        " open transaction: backend %s, open %s s: %s)",
+        m.version,
+        m.name,
+        _LOCK_TIMEOUT,
+        q.qualified,
+        _RETRY_AFTER,
+        *(oldest if oldest else ("?", "?", "?")),
+        extra={"version": m.version, "outbox": q.qualified},
+    )
+    await asyncio.sleep(_RETRY_AFTER)
+
+
+async def _apply(
+    conn: asyncpg.Connection, q: Queries, m: Migration, key: str, *, build_key: str | None = None
+) -> bool:
+    """The whole migration in one transaction; False if another process applied it.
+
+    With ``build_key``, its transaction first takes that lock too, tried until no
+    concurrent build holds it (a lock wait would hold the snapshot the build waits for).
+    """
+    nested = conn.is_in_transaction()  # the caller's: its lock_timeout is left alone
+    while True:
+        try:
+            # each migration in its own transaction: 0004 adds an enum value that 0005 uses
+            async with conn.transaction():
+                if build_key is None or await conn.fetchval(TRY_XACT_LOCK, build_key):
+                    await conn.execute(q.advisory_xact_lock, key)
+                    if m.version in await _applied(conn, q):  # another process got here first
+                        return False
+                    if not nested:
+                        await conn.execute(f"SET LOCAL lock_timeout = '{_LOCK_TIMEOUT}'")
+                    await conn.execute(_in_one_transaction(q, m))
+                    await _record(conn, q, m)
+                    return True
+        except asyncpg.LockNotAvailableError:
+            if nested:
+                raise
+            await _lock_timed_out(conn, q, m)
+            continue
+        await asyncio.sleep(POLL)  # a concurrent build runs: tried again, holding nothing
+
+
+async def _step(
+    conn: asyncpg.Connection, q: Queries, m: Migration, key: str, sql: str | None, last: bool
+) -> bool:
+    """One transaction step of `_apply_in_steps` (``sql`` None: only the record); False
+    if the migration was applied meanwhile."""
+    while True:
+        try:
+            async with conn.transaction():
+                await conn.execute(q.advisory_xact_lock, key)
+                if m.version in await _applied(conn, q):  # applied without the build lock
+                    return False
+                await conn.execute(f"SET LOCAL lock_timeout = '{_LOCK_TIMEOUT}'")
+                if sql is not None:
+                    await conn.execute(sql)
+                if last:
+                    await _record(conn, q, m)
+                return True
+        except asyncpg.LockNotAvailableError:
+            await _lock_timed_out(conn, q, m)
+
+
+async def _apply_in_steps(conn: asyncpg.Connection, q: Queries, m: Migration, key: str) -> bool:
+    """A migration with a concurrent index build, step by step under the build lock; the
+    version is recorded with the last step. False if another process applied it.
+
+    Every step but the last may run again (the migration is recorded only with the last),
+    so its transaction steps are written to be run again, and a build finds its index."""
+    if m.version in await _applied(conn, q):
+        return False
+    if conn.is_in_transaction():
+        raise PermanentDatabaseError(NOT_ONE_SESSION.format(why="is inside a transaction"))
+    await take_build_lock(conn, q)
+    try:
+        if m.version in await _applied(conn, q):  # by the migrate it waited for
+            return False
+        for n, step in enumerate(m.steps, 1):
+            last = n == len(m.steps)
+            if step.concurrent_index:
+                await build_index(conn, q, concurrent_index(q, step.template))
+                if not last:
+                    continue
+            sql = None if step.concurrent_index else q.render(step.template)
+            if not await _step(conn, q, m, key, sql, last):
+                return False
+        return True
+    finally:
+        await release_build_lock(conn, q)
 
 
 def _in_versions_table(m: Migration) -> bool:

@@ -16,7 +16,7 @@ a no-op event's ~10 us of consumer CPU; docs/benchmarks.md).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import asyncpg
@@ -97,17 +97,36 @@ class Observer:
 
     def settled(self, topic: str, outcome: str) -> None:
         """An outcome was recorded for an event of ``topic`` (every event, including
-        those released or failed before their handler ran)."""
+        those released or failed before their handler ran, and each event of a batch)."""
+
+    def batch_started(self, events: list[Event]) -> Any:
+        """A batch handler is about to run ``events`` (all of one topic, in the order
+        given to it; the handler gets a list of its own); the value returned is passed
+        back to `batch_finished`. `handler_started` is not called for them."""
+        return None
+
+    def batch_finished(
+        self,
+        events: list[Event],
+        token: Any,
+        outcomes: Mapping[str, int],
+        seconds: float,
+        error: BaseException | None,
+    ) -> None:
+        """The batch handler of ``events`` ended after ``seconds``. ``outcomes`` counts
+        its events by outcome (``done``, ``retry``, ``dead``, ``released``, and
+        ``unrun``: an ordered event given back to wait behind an earlier one of its key
+        that failed); ``error`` is what the call raised (or why its result was refused),
+        None if it returned. `settled` is called for each event too."""
+
+
+_HOOKS = ("handler_started", "handler_finished", "settled", "batch_started", "batch_finished")
 
 
 def _per_event(observer: Observer) -> bool:
-    """Whether ``observer``'s class overrides a per-event hook."""
+    """Whether ``observer``'s class overrides a per-event (or per-batch) hook."""
     cls = type(observer)
-    return (
-        cls.handler_started is not Observer.handler_started
-        or cls.handler_finished is not Observer.handler_finished
-        or cls.settled is not Observer.settled
-    )
+    return any(getattr(cls, hook) is not getattr(Observer, hook) for hook in _HOOKS)
 
 
 class Observers(Observer):
@@ -204,3 +223,30 @@ class Observers(Observer):
                 o.settled(topic, outcome)
             except Exception:
                 logger.exception("observer %r failed in settled()", o)
+
+    def batch_started(self, events: list[Event]) -> Any:
+        live = self._live
+        tokens = []
+        for o in live:
+            try:
+                tokens.append(o.batch_started(events))
+            except Exception:
+                logger.exception("observer %r failed in batch_started()", o)
+                tokens.append(None)
+        return live, tokens
+
+    def batch_finished(
+        self,
+        events: list[Event],
+        token: Any,
+        outcomes: Mapping[str, int],
+        seconds: float,
+        error: BaseException | None,
+    ) -> None:
+        live, tokens = token
+        # in reverse, so context tokens are detached in the order they were attached
+        for o, t in reversed(list(zip(live, tokens, strict=True))):
+            try:
+                o.batch_finished(events, t, outcomes, seconds, error)
+            except Exception:
+                logger.exception("observer %r failed in batch_finished()", o)

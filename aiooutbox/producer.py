@@ -1,10 +1,13 @@
 """Enqueue events on the caller's connection, so they commit with the caller's work.
 
-This module is the one place that validates events and builds the statement and its
-parameters, whatever the driver; `_sql.drivers` only binds and executes them on asyncpg,
-psycopg, SQLAlchemy or Django connections, and `aiooutbox.sync` is the blocking twin of
-`enqueue`/`enqueue_many`.
+`enqueue` writes one event, `enqueue_many` a batch in one statement, on an asyncpg
+connection or pool, a SQLAlchemy ``AsyncSession``/``AsyncConnection`` or a psycopg
+``AsyncConnection``; `aiooutbox.sync` is their blocking twin. Every argument is checked
+before anything is written (docs/producers.md).
 """
+
+# The one place that validates events and builds the statement and its parameters,
+# whatever the driver; `_sql.drivers` only binds and executes them.
 
 from __future__ import annotations
 
@@ -46,8 +49,9 @@ MAX_DEDUPE_KEY_LENGTH = 1024
 EARLIEST_AVAILABLE_AT = datetime(1970, 1, 1, tzinfo=timezone.utc)
 LATEST_AVAILABLE_AT = datetime(9000, 1, 1, tzinfo=timezone.utc)
 MAX_BATCH = 100_000
-# in UTF-8 bytes, as the table's check constraint says (migration 0005)
+# in UTF-8 bytes, as the table's check constraints say (migrations 0005, 0018)
 MAX_ORDERING_KEY_LENGTH = 512
+MAX_GROUP_LENGTH = 512
 
 
 class _Row:
@@ -57,6 +61,7 @@ class _Row:
         "available_at",
         "dedupe_key",
         "delay",
+        "group",
         "headers",
         "max_attempts",
         "ordering_key",
@@ -76,6 +81,7 @@ class _Row:
         self.ordering_key = _check_key(
             event.ordering_key, f"{where}ordering_key", MAX_ORDERING_KEY_LENGTH, "unordered"
         )
+        self.group = _check_key(event.group, f"{where}group", MAX_GROUP_LENGTH, "no group")
 
     def params(self) -> tuple[Any, ...]:
         """The bind values of `Queries.insert_one`, in placeholder order."""
@@ -88,6 +94,7 @@ class _Row:
             self.available_at,
             self.delay,
             self.ordering_key,
+            self.group,
         )
 
 
@@ -190,12 +197,21 @@ def prepare_one(
     table: str,
     encoder: Encoder | None,
     ordering_key: str | None = None,
+    group: str | None = None,
 ) -> tuple[Queries, str, tuple[Any, ...]]:
     """Validate one event; return the outbox, the statement and its parameters."""
     q = queries(schema, table)
     row = _Row(
         NewEvent(
-            topic, payload, dedupe_key, delay, available_at, max_attempts, headers, ordering_key
+            topic,
+            payload,
+            dedupe_key,
+            delay,
+            available_at,
+            max_attempts,
+            headers,
+            ordering_key,
+            group,
         ),
         encoder,
     )
@@ -243,7 +259,7 @@ class Batch:
         return self.q.insert_many_unordered
 
     def params(self) -> tuple[list[Any], ...]:
-        """The eight arrays of `Queries.insert_many`, in insertion order."""
+        """The nine arrays of `Queries.insert_many`, in insertion order."""
         ordered = [self.rows[i] for i in self.order]
         return (
             [r.topic for r in ordered],
@@ -254,6 +270,7 @@ class Batch:
             [r.available_at for r in ordered],
             [r.delay for r in ordered],
             [r.ordering_key for r in ordered],
+            [r.group for r in ordered],
         )
 
     def results(self, records: Sequence[Sequence[Any]]) -> list[int | None]:
@@ -306,6 +323,7 @@ async def enqueue(
     max_attempts: int | None = None,
     headers: Mapping[str, Any] | None = None,
     ordering_key: str | None = None,
+    group: str | None = None,
     schema: str = DEFAULT_SCHEMA,
     table: str = DEFAULT_TABLE,
     encoder: Encoder | None = None,
@@ -313,7 +331,9 @@ async def enqueue(
     """Insert one event and return its id, or ``None`` if ``dedupe_key`` already exists.
 
     Events with the same ``ordering_key`` are handled one at a time, in id order (see
-    docs/guarantees.md, "Ordered delivery"); ``None`` means unordered.
+    docs/guarantees.md, "Ordered delivery"); ``None`` means unordered. Consumers claim
+    the events of different ``group`` values (tenants, say) in turn, so one group's
+    backlog cannot hold back another's events; ``None`` is one group of its own.
 
     ``conn`` is an asyncpg ``Connection`` or ``Pool``, a SQLAlchemy ``AsyncSession`` or
     ``AsyncConnection`` (asyncpg or psycopg underneath), or a psycopg ``AsyncConnection``.
@@ -336,6 +356,7 @@ async def enqueue(
         table=table,
         encoder=encoder,
         ordering_key=ordering_key,
+        group=group,
     )
     return one_result(await execute(q, sql, params))
 

@@ -35,6 +35,7 @@ def enqueue(
     max_attempts: int | None = None,
     headers: Mapping[str, Any] | None = None,
     ordering_key: str | None = None,
+    group: str | None = None,
     schema: str = DEFAULT_SCHEMA,
     table: str = DEFAULT_TABLE,
     encoder: Encoder | None = None,
@@ -53,6 +54,7 @@ def enqueue(
         table=table,
         encoder=encoder,
         ordering_key=ordering_key,
+        group=group,
     )
     return one_result(execute(q, sql, params))
 

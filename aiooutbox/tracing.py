@@ -14,7 +14,9 @@ imported only by code that needs it (once, cached), so without it nothing costs.
   ``{operation name} {destination}``). Its parent is the event's creation context (the
   ``traceparent`` header), so the handler continues the request's trace, and it also
   links to it, as the conventions ask of "process" spans. An event without the header
-  starts a new trace under whatever span is current.
+  starts a new trace under whatever span is current. A batch handler's call is one span
+  (``process <topic>``, ``messaging.batch.message_count``) under the current span, with
+  a link to each event's creation context.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import traceback
 from collections.abc import Mapping
 from typing import Any
 
+from ._values.extras import install_hint
 from ._values.text import exception_message
 from .events import Event
 from .observe import Observer
@@ -101,9 +104,7 @@ class TracingObserver(Observer):
     def __init__(self, tracer_provider: Any = None) -> None:
         api = _otel()
         if not api:
-            raise ImportError(
-                'TracingObserver needs opentelemetry-api: pip install "aiooutbox[otel]"'
-            )
+            raise ImportError(f"TracingObserver needs opentelemetry-api: {install_hint('otel')}")
         self._context, self._propagate, self._trace = api
         self._provider = tracer_provider
         self._tracer: Any = None
@@ -216,6 +217,65 @@ class TracingObserver(Observer):
             try:
                 span.set_attribute("aiooutbox.outcome", outcome)
                 if error is not None and outcome != "released":
+                    _record_exception(span, error)
+                    span.set_attribute("error.type", type(error).__qualname__)
+                    status = self._trace.Status(self._trace.StatusCode.ERROR, type(error).__name__)
+                    span.set_status(status)
+            finally:
+                span.end()
+
+    def batch_started(self, events: list[Event]) -> Any:
+        """One span for a batch handler's call: under the current span (a batch has no
+        one parent), linked to each event's creation context (the conventions' batch
+        "process" span); the handler runs inside it."""
+        tracer = self._tracer
+        if tracer is None or not events:
+            return None
+        context, trace = self._context, self._trace
+        links = []
+        for event in events:
+            headers = event.headers
+            if headers and "traceparent" in headers:
+                creation = self._creation(headers)
+                if creation is not None:
+                    link = {
+                        "messaging.message.id": str(event.message_id),
+                        "aiooutbox.event.id": event.id,
+                    }
+                    links.append(trace.Link(creation, link))
+        topic = events[0].topic
+        attributes: dict[str, Any] = {
+            "messaging.system": "aiooutbox",
+            "messaging.destination.name": topic,
+            "messaging.operation.type": "process",
+            "messaging.operation.name": "process",
+            "messaging.batch.message_count": len(events),
+        }
+        span = tracer.start_span(
+            f"process {topic}", kind=self._kind, attributes=attributes, links=links
+        )
+        return span, context.attach(trace.set_span_in_context(span))
+
+    def batch_finished(
+        self,
+        events: list[Event],
+        token: Any,
+        outcomes: Mapping[str, int],
+        seconds: float,
+        error: BaseException | None,
+    ) -> None:
+        if token is None:
+            return
+        span, attached = token
+        try:
+            self._context.detach(attached)
+        finally:
+            try:
+                kinds = [k for k, n in outcomes.items() if n]
+                span.set_attribute("aiooutbox.outcome", kinds[0] if len(kinds) == 1 else "mixed")
+                for kind in kinds:
+                    span.set_attribute(f"aiooutbox.outcomes.{kind}", outcomes[kind])
+                if error is not None and kinds != ["released"]:
                     _record_exception(span, error)
                     span.set_attribute("error.type", type(error).__qualname__)
                     status = self._trace.Status(self._trace.StatusCode.ERROR, type(error).__name__)

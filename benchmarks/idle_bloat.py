@@ -18,9 +18,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from . import aiooutbox_runner
-from .common import BackendCpu, drop_database
-from .producer_tax import LOOP_FUNCTION, set_probe
+from .harness.cpu import BackendCpu
+from .harness.databases import drop_database
+from .scenarios.tax import LOOP_FUNCTION, set_probe
+from .systems import aiooutbox_runner
 
 
 async def run(dsn: str, cycles: int, inserts: int = 2000) -> dict[str, Any]:

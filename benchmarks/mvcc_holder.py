@@ -22,7 +22,7 @@ import asyncpg
 
 import aiooutbox
 
-from .common import drop_database, recreate_database
+from .harness.databases import drop_database, recreate_database
 
 DATABASE = "aiooutbox_bench_mvcc"
 

@@ -8,7 +8,7 @@ This consumer reads a batch, records each id with `aiooutbox.inbox.record` in th
 transaction that does the work, and commits the Kafka offsets only after the database
 commit: a crash in between replays the batch, and the replayed records are skipped. The
 example produces one record twice, as a relay crash would, and bills it once.
-Needs ``aiooutbox[kafka]``.
+Needs the ``kafka`` extra, from the clone: ``pip install -e '.[kafka]'``.
 """
 
 from __future__ import annotations

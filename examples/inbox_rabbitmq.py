@@ -8,7 +8,7 @@ least once. This consumer records that id with `aiooutbox.inbox.record` in the s
 transaction as its own write (an invoice row) and acknowledges after the commit: a copy
 delivered again (a relay or consumer crash) finds the id and is skipped. The example
 publishes one message twice, as a relay crash would, and bills it once.
-Needs ``aiooutbox[rabbitmq]``.
+Needs the ``rabbitmq`` extra, from the clone: ``pip install -e '.[rabbitmq]'``.
 """
 
 from __future__ import annotations

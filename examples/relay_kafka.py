@@ -6,8 +6,9 @@
 Commits six events of two orders and relays them with `KafkaSink` (``acks="all"``): the
 record key is the event's ``ordering_key`` when it has one, else ``default_key`` (here:
 the order id from the payload), so one order's events share a partition and keep their
-order. Needs ``aiooutbox[kafka]``; ``KAFKA_IDEMPOTENCE=0`` for brokers without
-idempotent producers (Tansu, which the tests use).
+order. Needs the ``kafka`` extra, from the clone: ``pip install -e '.[kafka]'``;
+``KAFKA_IDEMPOTENCE=0`` for brokers without idempotent producers (Tansu, which the
+tests use).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@
 Creates a stream ORDERS on ``orders.>`` (streams are the operator's to create; a subject
 no stream captures is an event failure, not a silent drop), commits three order events,
 relays them with `NatsSink` under a consumer of every topic, and prints each stored
-message with its ``Nats-Msg-Id``, the event's ``message_id``. Needs ``aiooutbox[nats]``.
+message with its ``Nats-Msg-Id``, the event's ``message_id``. Needs the ``nats``
+extra, from the clone: ``pip install -e '.[nats]'``.
 """
 
 from __future__ import annotations

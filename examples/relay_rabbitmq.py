@@ -6,7 +6,7 @@
 Declares a topic exchange ``orders`` and a durable queue bound to ``orders.#`` (both the
 operator's; a message no queue takes comes back as a failure), commits three events and
 relays them with `RabbitMQSink` (persistent, mandatory, ``message_id`` = the event's).
-Needs ``aiooutbox[rabbitmq]``.
+Needs the ``rabbitmq`` extra, from the clone: ``pip install -e '.[rabbitmq]'``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@
 
 Commits three events and relays them with `RedisSink` into the stream ``outbox:orders``
 (``XADD`` with ``MAXLEN ~ 100000``): each entry holds ``message_id``, ``payload`` (JSON),
-``topic``, ``event_id`` and ``headers``. Needs ``aiooutbox[redis]``.
+``topic``, ``event_id`` and ``headers``. Needs the ``redis`` extra, from the clone:
+``pip install -e '.[redis]'``.
 """
 
 from __future__ import annotations

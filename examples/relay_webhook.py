@@ -5,8 +5,8 @@
 
 Starts a tiny aiohttp receiver that checks ``webhook-signature`` (HMAC-SHA256 over
 ``"{webhook-id}.{webhook-timestamp}.{body}"``) and answers 204, commits three events and
-relays them with `WebhookSink`. Needs ``aiooutbox[webhook]`` (and aiohttp for the
-receiver).
+relays them with `WebhookSink`. Needs the ``webhook`` extra, from the clone:
+``pip install -e '.[webhook]'`` (and aiohttp for the receiver).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import pytest
 
 import aiooutbox
 from tests.pgserver import postgres_server, prepare_embedded_user
+from tests.programs import require
 
 _T = TypeVar("_T")
 
@@ -25,8 +26,22 @@ TEMPLATE = f"aiooutbox_tpl_{os.getpid()}"
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "needs(*programs): starts these system programs (tests/programs.py); skipped with"
+        " one line naming what to install when one is missing, failed under CI=true",
+    )
     if not hasattr(config, "workerinput"):  # the controller, before any worker starts
         prepare_embedded_user()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test marked ``needs(...)`` skips (fails under ``CI=true``) before its fixtures
+    start anything when the machine lacks one of the programs."""
+    for mark in item.iter_markers("needs"):
+        for name in mark.args:
+            require(name)
 
 
 def with_database(dsn: str, database: str) -> str:

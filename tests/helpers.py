@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -80,3 +82,22 @@ async def insert_unchecked(
             rows: list[asyncpg.Record] = await conn.fetch(sql, *args)
             await conn.execute(f"ALTER TABLE outbox_events ENABLE TRIGGER {check}")
         return rows
+
+
+async def backdate(db: asyncpg.Pool | asyncpg.Connection, sql: str, *args: Any) -> str:
+    """Run ``sql``, an UPDATE that moves claimable rows' ``available_at`` into the past
+    (an event due for a while: fixtures). Such an UPDATE can hide rows behind a running
+    consumer's low marks (migration 0019), so fixtures run it before any consumer."""
+    status: str = await db.execute(sql, *args)
+    return status
+
+
+def extract_release(where: Path, commit: str, *paths: str) -> Path:
+    """``paths`` of this repository as of ``commit``, extracted into ``where`` (an older
+    release of the package for the upgrade tests; a clone has the history)."""
+    root = Path(__file__).resolve().parent.parent
+    archive = subprocess.run(
+        ["git", "-C", str(root), "archive", commit, *paths], check=True, capture_output=True
+    )
+    subprocess.run(["tar", "-x", "-C", str(where)], input=archive.stdout, check=True)
+    return where

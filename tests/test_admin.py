@@ -12,7 +12,7 @@ import aiooutbox
 from aiooutbox import admin
 from aiooutbox._sql.statements import queries
 from aiooutbox.cli.output import age, duration
-from tests.helpers import status_counts, wait_until
+from tests.helpers import backdate, status_counts, wait_until
 
 
 @pytest.mark.parametrize(
@@ -73,8 +73,8 @@ async def test_stats_counts_lag_and_workers(pool: asyncpg.Pool) -> None:
     await aiooutbox.enqueue_many(pool, [aiooutbox.NewEvent("a", {}) for _ in range(3)])
     await aiooutbox.enqueue(pool, "b", {}, delay=3600)
     await _make_dead(pool, "b", 2)
-    await pool.execute(
-        "UPDATE outbox_events SET available_at = now() - interval '1 minute' WHERE topic = 'a'"
+    await backdate(
+        pool, "UPDATE outbox_events SET available_at = now() - interval '1 min' WHERE topic = 'a'"
     )
     await pool.execute(
         # held as a claim holds it: with a lease (stats counts processing rows by it)
@@ -87,9 +87,11 @@ async def test_stats_counts_lag_and_workers(pool: asyncpg.Pool) -> None:
     a, b = report.topics
     assert (a.topic, a.counts["pending"], a.counts["processing"]) == ("a", 2, 1)
     assert a.lag is not None and 59 < a.lag < 90
-    assert (b.counts["pending"], b.counts["dead"], b.lag) == (1, 2, None)
+    # the delayed event is scheduled, not pending (due now)
+    assert (b.counts["pending"], b.counts["scheduled"], b.counts["dead"], b.lag) == (0, 1, 2, None)
     assert report.totals == {
-        "pending": 3,
+        "pending": 2,
+        "scheduled": 1,
         "retry": 0,
         "processing": 1,
         "waiting": 0,

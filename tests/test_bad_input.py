@@ -166,6 +166,14 @@ BAD_EVENTS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("headers-value", {"headers": {"a": object()}}, TypeError, "headers is not JSON-serialisable"),
     ("headers-nan", {"headers": {"a": float("nan")}}, InvalidArgument, "headers is not JSON"),
     ("headers-nul", {"headers": {"a": "\x00"}}, InvalidArgument, "headers contains a NUL"),
+    ("group-empty", {"group": ""}, InvalidArgument, "group must not be empty (use None"),
+    ("group-int", {"group": 42}, TypeError, "group must be a str or None, not int"),
+    ("group-bytes", {"group": b"tenant"}, TypeError, "group must be a str or None, not bytes"),
+    ("group-nul", {"group": "tenant\x00-42"}, InvalidArgument, "without NUL"),
+    ("group-long", {"group": "g" * 513}, InvalidArgument, "group must be at most 512 bytes"),
+    ("group-wide", {"group": "😀" * 129}, InvalidArgument, "group must be at most 512 bytes"),
+    ("group-1mb", {"group": "g" * 1_000_000}, InvalidArgument, "group must be at most 512"),
+    ("group-surrogate", {"group": "tenant-\udc00"}, InvalidArgument, "not valid Unicode"),
 ]
 
 GOOD = {"topic": "orders.created", "payload": {"order_id": 42}}

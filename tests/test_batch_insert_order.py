@@ -38,4 +38,4 @@ async def test_a_batch_is_inserted_in_the_documented_groups(conn: asyncpg.Connec
     text = " ".join(DOC.read_text(encoding="utf-8").split())
     assert "sorted by dedupe key, keyless rows last" not in text
     assert "grouped by that key (keys in sorted order) and in input order within each key" in (text)
-    assert "`unnest` of eight arrays" in text
+    assert "`unnest` of nine arrays" in text

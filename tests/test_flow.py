@@ -157,7 +157,7 @@ async def test_a_pause_waits_for_the_claims_under_way_and_no_claim_after_it_sees
         # the pause has returned: the open claim and the limited claim both refuse it
         assert await claimer.fetch(Q.claim, "w1", 30.0, ["t"], 10, 1 << 30, 10, 10) == []
         assert await claimer.fetch(Q.claim, "w1", 30.0, None, 10, 1 << 30, 10, 10) == []
-        held = await claimer.fetch(FQ.claim_limited, "w1", 30.0, ["t"], [10], 1 << 30)
+        held = await claimer.fetch(FQ.claim_limited, "w1", 30.0, ["t"], [10], 1 << 30, [])
         assert [(r["id"], r["held"]) for r in held] == [(None, "paused")]
         await admin.pause_all(conn)
         await admin.resume_topic(conn, "t")
@@ -463,12 +463,12 @@ async def test_racing_limited_claims_never_exceed_the_limit(
     claimers = [await asyncpg.connect(dsn) for _ in range(20)]
     try:
         for c in claimers:  # prepared, so that the race is in the claims themselves
-            await c.fetch(FQ.claim_limited, "warm", 30.0, ["none"], [1], 1 << 30)
+            await c.fetch(FQ.claim_limited, "warm", 30.0, ["none"], [1], 1 << 30, [])
         go = asyncio.Event()
 
         async def claim(c: asyncpg.Connection, n: int) -> int:
             await go.wait()
-            rows = await c.fetch(FQ.claim_limited, f"w{n}", 30.0, ["t"], [10], 1 << 30)
+            rows = await c.fetch(FQ.claim_limited, f"w{n}", 30.0, ["t"], [10], 1 << 30, [])
             return sum(1 for r in rows if r["id"] is not None)
 
         tasks = [asyncio.ensure_future(claim(c, n)) for n, c in enumerate(claimers)]

@@ -114,7 +114,9 @@ async def producer(pool: asyncpg.Pool) -> AsyncIterator[Callable[[str], Awaitabl
         assert event_id is not None
         # the key's lock is held by this open transaction
         locks = await pool.fetchval(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND pid = $1",
+            # the key's lock (the insert's position lock, migration 0019, is shared)
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND pid = $1"
+            " AND mode = 'ExclusiveLock'",
             await conn.fetchval("SELECT pg_backend_pid()"),
         )
         assert locks == 1

@@ -26,7 +26,7 @@ Q = queries()
 async def test_claim_columns_come_in_claimed_row_field_order(conn: asyncpg.Connection) -> None:
     # ClaimedRow.from_record reads the claim's columns by position
     fields = list(ClaimedRow._fields)
-    for sql in (Q.claim, Q.claim_after):
+    for sql in (Q.claim, Q.claim_after, Q.claim_marked):
         columns = [a.name for a in (await conn.prepare(sql)).get_attributes()]
         assert columns == fields, sql
 
@@ -115,7 +115,7 @@ def test_the_watermark_skips_rows_at_infinity_and_the_dawn_of_time() -> None:
 
 
 def test_build_event_makes_an_ordinary_frozen_event() -> None:
-    values = (7, "t", {"a": 1}, "d", {"h": 1}, 2, 5, datetime.now(UTC), "m", "k", True)
+    values = (7, "t", {"a": 1}, "d", {"h": 1}, 2, 5, datetime.now(UTC), "m", "k", True, "g")
     built = build_event(*values)
     assert type(built) is Event
     assert built == Event(*values)
@@ -128,7 +128,9 @@ def test_build_event_makes_an_ordinary_frozen_event() -> None:
 
 
 async def test_hot_functions_always_run_generic_plans(conn: asyncpg.Connection) -> None:
-    names = ["claim_v6", "settle_done_v5", "settle_failed_v5", "promote", "requeue_v5"]
+    names = ["claim_v6", "claim_v7", "claim_v8", "claim_v9", "fair_rows", "settle_done_v5"]
+    names += ["settle_failed_v5", "promote"]
+    names += ["requeue_v5", "requeue_v6"]
     configs = dict(
         await conn.fetch(
             "SELECT p.proname, p.proconfig FROM pg_proc p"

@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
 import aiooutbox
 from aiooutbox import inbox
+from tests.programs import needs
 from tests.relay.brokers import AMQP_URL, tansu
 from tests.relay.common import kafka_topic, unique
 
@@ -235,6 +236,7 @@ async def test_inbox_rabbitmq_example(dsn: str) -> None:
 
 
 @pytest.mark.slow
+@needs("tansu")
 async def test_inbox_kafka_example(dsn: str) -> None:
     from examples.inbox_kafka import main
 

@@ -1,5 +1,7 @@
 """The package's layout: no import cycles, no private module at the top, modules of one
-job (a size bound), and every import path the docs and examples use still imports."""
+job (a size bound), and every import path the docs and examples use still imports.
+The benchmarks (`benchmarks/`) keep the same two rules, cycles and sizes, and one
+module per scenario, each registered."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import aiooutbox
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "aiooutbox"
+BENCHMARKS = ROOT / "benchmarks"
 MAX_MODULE_LINES = 480
 
 # the public surface at the top of the package as it stands: it may grow, never shrink
@@ -37,13 +40,19 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+def modules_of(folder: Path) -> dict[str, Path]:
+    return {module_name(p): p for p in folder.rglob("*.py")}
 
 
-def imports_of(name: str, path: Path) -> set[str]:
-    """Every module of the package that ``name`` imports, wherever the import stands:
-    at the top, under ``TYPE_CHECKING`` or inside a function (a cycle hidden in a local
-    import is still a cycle)."""
+MODULES = modules_of(PACKAGE)
+# each room the layout rules hold in: its modules by dotted name
+ROOMS = {"aiooutbox": MODULES, "benchmarks": modules_of(BENCHMARKS)}
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path] = MODULES) -> set[str]:
+    """Every module of ``modules`` (the package's, by default) that ``name`` imports,
+    wherever the import stands: at the top, under ``TYPE_CHECKING`` or inside a function
+    (a cycle hidden in a local import is still a cycle)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -57,12 +66,12 @@ def imports_of(name: str, path: Path) -> set[str]:
                 module = node.module or ""
             # `from . import x` names a module when x is one, else a name in `module`
             targets = [
-                f"{module}.{alias.name}" if f"{module}.{alias.name}" in MODULES else module
+                f"{module}.{alias.name}" if f"{module}.{alias.name}" in modules else module
                 for alias in node.names
             ]
         else:
             continue
-        found.update(t for t in targets if t in MODULES and t != name)
+        found.update(t for t in targets if t in modules and t != name)
     return found
 
 
@@ -89,8 +98,10 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_the_package_has_no_import_cycle() -> None:
-    graph = {name: imports_of(name, path) for name, path in MODULES.items()}
+@pytest.mark.parametrize("room", sorted(ROOMS))
+def test_no_import_cycle(room: str) -> None:
+    modules = ROOMS[room]
+    graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
@@ -109,10 +120,39 @@ def test_every_module_at_the_top_is_public() -> None:
     assert all(f.startswith("_") or f in PUBLIC_MODULES for f in folders)
 
 
-def test_no_module_grows_past_one_job() -> None:
-    sizes = {name: len(p.read_text(encoding="utf-8").splitlines()) for name, p in MODULES.items()}
+def test_the_import_scan_sees_type_only_and_local_imports(tmp_path: Path) -> None:
+    # a cycle through a TYPE_CHECKING or a function-level import is still a cycle
+    path = tmp_path / "a.py"
+    path.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from .b import B\n"
+        "def f():\n    from . import c\n    import pkg.d\n",
+        encoding="utf-8",
+    )
+    modules = dict.fromkeys(("pkg.a", "pkg.b", "pkg.c", "pkg.d"), path)
+    assert imports_of("pkg.a", path, modules) == {"pkg.b", "pkg.c", "pkg.d"}
+
+
+@pytest.mark.parametrize("room", sorted(ROOMS))
+def test_no_module_grows_past_one_job(room: str) -> None:
+    sizes = {n: len(p.read_text(encoding="utf-8").splitlines()) for n, p in ROOMS[room].items()}
     big = {name: n for name, n in sizes.items() if n > MAX_MODULE_LINES}
     assert not big, f"modules past {MAX_MODULE_LINES} lines (split them by role): {big}"
+
+
+def test_every_benchmark_scenario_is_one_registered_module() -> None:
+    """`benchmarks/scenarios/`: a module per scenario, each registered in
+    `benchmarks.scenarios.SCENARIOS`, named for what ``--only`` takes."""
+    from benchmarks.scenarios import SCENARIOS, Config
+
+    modules = {p.stem for p in (BENCHMARKS / "scenarios").glob("*.py")} - {"__init__"}
+    registered = {s.run.__module__.rpartition(".")[2] for s in SCENARIOS}
+    assert registered == modules, "register each scenario module in SCENARIOS"
+    names = [s.name for s in SCENARIOS]
+    assert len(set(names)) == len(names), names
+    for scenario in SCENARIOS:
+        assert scenario.name.split("-")[0] == scenario.run.__module__.rpartition(".")[2]
+        assert scenario.sizes is None or issubclass(Config, scenario.sizes), scenario.name
 
 
 def test_the_public_surface_is_unchanged_or_grew() -> None:

@@ -206,3 +206,34 @@ async def test_a_lone_consumer_resumes_a_key_in_order_after_its_loop_was_blocked
     assert after == sorted(after), starts
     assert set(after) | {1} == set(range(total)), starts
     assert await runs.fetchval("SELECT count(*) FROM outbox_events WHERE status <> 'done'") == 0
+
+
+async def test_a_batch_whose_every_lease_lapsed_before_it_started_is_left_to_recovery(
+    runs: asyncpg.Pool,
+) -> None:
+    """A batch handler's call blocks the loop past the lease while a second batch of
+    the same claim waits for its turn: every row of the second has lapsed when it would
+    start. It is left to lease recovery (nothing started, the consumer runs on), and
+    every event ends done."""
+    lease, total = 1.0, 10
+    await aiooutbox.enqueue_many(runs, [aiooutbox.NewEvent("t", {"n": n}) for n in range(total)])
+    calls: list[list[int]] = []
+
+    async def handle(events: list[aiooutbox.Event]) -> None:
+        calls.append([e.payload["n"] for e in events])
+        if len(calls) == 1:
+            time.sleep(3 * lease)  # the loop is blocked: no heartbeat, no recovery
+
+    consumer = aiooutbox.OutboxConsumer(
+        runs, concurrency=10, lease_timeout=lease, poll_interval=0.2
+    )
+    async with consumer:
+        task = asyncio.ensure_future(consumer.run({"t": aiooutbox.Handler(handle, batch=5)}))
+        try:
+            await wait_until(all_in(runs, "done", total), timeout=30, interval=0.05)
+            assert not task.done(), task.exception()  # the consumer runs on
+        finally:
+            consumer.stop()
+            await asyncio.wait_for(task, 30)
+    print(f"\n[lapsed batch] calls: {calls}")
+    assert {n for call in calls for n in call} == set(range(total)), calls

@@ -13,7 +13,6 @@ import socket
 import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ from aiooutbox.health import ConsumerHealth
 from aiooutbox.metrics import MetricsServer, OutboxMetrics
 from tests.clirunner import Runner, clean_env, cli
 from tests.faults.private_pg import private_postgres
-from tests.helpers import insert_unchecked, running, truthy, wait_until
+from tests.helpers import backdate, insert_unchecked, running, truthy, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -144,8 +143,10 @@ async def test_queue_lag_moves_while_a_topic_is_left_unconsumed(
     pool: asyncpg.Pool, registry: CollectorRegistry
 ) -> None:
     metrics = OutboxMetrics(registry)
-    past = datetime.now(UTC) - timedelta(seconds=30)
-    await aiooutbox.enqueue(pool, "nobody.consumes", {}, available_at=past)
+    old = await aiooutbox.enqueue(pool, "nobody.consumes", {})
+    await backdate(
+        pool, "UPDATE outbox_events SET available_at = now() - interval '30 s' WHERE id = $1", old
+    )
     await aiooutbox.enqueue(pool, "nobody.consumes", {})
     await aiooutbox.enqueue(pool, "later", {}, delay=3600)
     async with (
@@ -156,8 +157,9 @@ async def test_queue_lag_moves_while_a_topic_is_left_unconsumed(
         lag = value(first, "aiooutbox_queue_lag_seconds", topic="nobody.consumes")
         assert lag is not None and 29 < lag < 3600, first
         assert value(first, "aiooutbox_queue_depth", topic="nobody.consumes", status="pending") == 2
-        # delayed, not due: counted in the depth, no lag
-        assert value(first, "aiooutbox_queue_depth", topic="later", status="pending") == 1
+        # delayed, not due: counted in the depth as scheduled, no lag
+        assert value(first, "aiooutbox_queue_depth", topic="later", status="scheduled") == 1
+        assert value(first, "aiooutbox_queue_depth", topic="later", status="pending") is None
         assert value(first, "aiooutbox_queue_lag_seconds", topic="later") == 0
         assert value(first, "aiooutbox_queue_stats_timestamp_seconds") is not None
         refreshes = gauges.refreshes
@@ -195,6 +197,32 @@ async def test_queue_gauges_count_processing_rows_and_drop_when_stale(pool: asyn
     with pytest.raises(RuntimeError, match="already tracks"):
         async with metrics.queue_gauges(pool), metrics.queue_gauges(pool):
             pass
+
+
+async def test_group_gauges_show_only_the_top_groups(pool: asyncpg.Pool) -> None:
+    """Thousands of tenants make no label explosion: the ten groups with the most due
+    events, and the ten with the most running, are shown."""
+    registry = CollectorRegistry()
+    metrics = OutboxMetrics(registry)
+    await aiooutbox.enqueue_many(
+        pool,
+        [aiooutbox.NewEvent("t", {}, group=f"tenant-{i:04d}") for i in range(1000)]
+        + [aiooutbox.NewEvent("t", {}, group="big") for _ in range(5)]
+        + [aiooutbox.NewEvent("t", {}) for _ in range(9)],
+    )
+    await pool.execute(
+        "UPDATE outbox_events SET status = 'processing', locked_by = 'w',"
+        " lease_expires_at = now() + interval '1 minute'"
+        " WHERE id IN (SELECT id FROM outbox_events WHERE grp = 'big' LIMIT 2)"
+    )
+    async with metrics.queue_gauges(pool, interval=0.05):
+        text = _exposition(registry)
+    lines = [x for x in text.splitlines() if x.startswith("aiooutbox_group_events{")]
+    due = [x for x in lines if 'state="due"' in x]
+    running = [x for x in lines if 'state="running"' in x]
+    assert len(due) == 10 and len(running) == 1, lines
+    assert any('group="big"' in x and x.endswith(" 3.0") for x in due), due
+    assert 'group="big"' in running[0] and running[0].endswith(" 2.0")
 
 
 def _exposition(registry: CollectorRegistry) -> str:

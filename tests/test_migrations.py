@@ -62,7 +62,10 @@ ALL = [m.version for m in migrations()]
 async def test_the_library_ships_numbered_migrations() -> None:
     found = shipped()
     assert found[0] == (1, "outbox")
-    assert [v for v, _ in found] == list(range(1, len(found) + 1))
+    versions = [v for v, _ in found]
+    # numbered in order, each once; a number may be skipped while branches that each
+    # add a migration land one after the other (the runner applies what is missing)
+    assert versions == sorted(set(versions))
     assert latest_version() == found[-1][0]
 
 
@@ -213,12 +216,18 @@ async def test_custom_schema_and_table_are_independent_outboxes(empty_dsn: str) 
         assert [tuple(r) for r in triggers] == [
             ("billing.jobs", "jobs_insert_check"),
             ("billing.jobs", "jobs_order"),
+            ("billing.jobs", "jobs_position"),
+            ("billing.jobs", "jobs_position_row"),
             ("billing.jobs", "jobs_wakeup"),
             ("other_outbox", "other_outbox_insert_check"),
             ("other_outbox", "other_outbox_order"),
+            ("other_outbox", "other_outbox_position"),
+            ("other_outbox", "other_outbox_position_row"),
             ("other_outbox", "other_outbox_wakeup"),
             ("outbox_events", "outbox_events_insert_check"),
             ("outbox_events", "outbox_events_order"),
+            ("outbox_events", "outbox_events_position"),
+            ("outbox_events", "outbox_events_position_row"),
             ("outbox_events", "outbox_events_wakeup"),
         ]
     finally:

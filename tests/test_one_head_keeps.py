@@ -48,11 +48,15 @@ async def test_the_restated_bodies_keep_what_earlier_migrations_added(pool: asyn
             " WHERE p.proname LIKE 'outbox_events%'"
         )
     }
-    assert "flow_held" in bodies["outbox_events_claim_v6"]  # 0010: held topics left out
-    assert "advisory_xact_lock_shared" in bodies["outbox_events_claim_v6"]
+    # 0018: claim_v6 runs claim_v7, restated from its body
+    assert "outbox_events_claim_v7" in bodies["outbox_events_claim_v6"]
+    assert "flow_held" in bodies["outbox_events_claim_v7"]  # 0010: held topics left out
+    assert "advisory_xact_lock_shared" in bodies["outbox_events_claim_v7"]
     assert "flow_counted" in bodies["outbox_events_claim_limited"]  # 0010
-    assert "bool_or(r2.status = 'retry')" in bodies["outbox_events_requeue_v5"]  # 0009
-    for name in ("claim_v6", "claim_limited", "settle_failed_v5", "requeue_v5"):
+    # 0019: requeue_v5 calls requeue_v6, which carries its body
+    assert "outbox_events_requeue_v6" in bodies["outbox_events_requeue_v5"]
+    assert "bool_or(r2.status = 'retry')" in bodies["outbox_events_requeue_v6"]  # 0009
+    for name in ("claim_v7", "claim_limited", "claim_limited_v3", "settle_failed_v5", "requeue_v6"):
         assert "holds_key" in bodies[f"outbox_events_{name}"], name
 
 

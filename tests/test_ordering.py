@@ -413,9 +413,13 @@ async def test_order_holds_through_a_sigkilled_consumer_process(
         if count:
             await show(runs, query)
     assert (overlaps, out_of_order) == (0, 0), "two runs of a key overlapped, or ran out of order"
-    # (`seen` tells what the database showed; seen once in 16 runs: an outcome recorded
-    # for a claim that lapsed, written after this consumer claimed the row again at the
-    # same attempt, a run member's attempt being given back on recovery)
+    # (`seen` tells what the database showed. Seen once in 16 runs, `done` before the run:
+    # a lapsed claim's outcome of a run member, whose attempt recovery gave back, was
+    # being written as this consumer claimed the row again at the same attempt; the
+    # settle's UPDATE waited for the claim's row locks and landed on the new claim, and
+    # its reply was read before the claim's, so the hand-out no longer saw it. The
+    # claim now keeps the writes that end while it is under way and does not start such
+    # a row; tests/test_stale_outcomes.py forces that order)
     assert unheld == 0, "a handler started on a row its worker no longer held"
     assert finished is None and left == expected, f"events left unhandled: {left} ({expected})"
     assert measured["events done that never ran"] == 0 and problems == [], problems

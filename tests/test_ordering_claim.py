@@ -155,6 +155,9 @@ async def test_promotion_and_the_orphan_sweep_read_the_key_index_beside_a_big_ke
         await _insert(pool, f"small{k}", "waiting")
     await pool.execute("ANALYZE outbox_events")
     keys = [f"small{k}" for k in range(50)]
+    # promoted first: the heads a promotion makes are placed at its clock_timestamp()
+    # (migration 0019), after the now() of a claim in the same transaction
+    await pool.fetchrow(Q.promote, keys)
     async with pool.acquire() as conn:
         plans = await nested_plans(
             conn,

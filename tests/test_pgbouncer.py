@@ -2,7 +2,7 @@
 the CLI runner, with LISTEN on a direct DSN or none at all; nothing lost, nothing warned.
 
 The test starts its own PgBouncer (Debian's package; ``.ci/run`` installs it) on a free
-port in front of the test server, and stops it at the end.
+port in front of the test server, and stops it at the end; without it, it is skipped.
 """
 
 from __future__ import annotations
@@ -30,10 +30,12 @@ from aiooutbox._sql.db import PermanentDatabaseError
 from aiooutbox.migrations import migrations as _shipped
 from tests.clirunner import Runner, clean_env, cli
 from tests.helpers import status_counts, wait_until
+from tests.programs import needs, program
+
+pytestmark = needs("pgbouncer")
 
 ALL_VERSIONS = [m.version for m in _shipped()]
 
-PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
 HANDLERS = "tests.cli_handlers:handlers"
 QUICK = (HANDLERS, "--topics", "quick")
 
@@ -67,6 +69,7 @@ def _run_as(host: str) -> str | None:
 @pytest.fixture(scope="module")
 def bouncer(pg_server: str) -> Iterator[int]:
     """Port of a private PgBouncer in transaction mode in front of the test server."""
+    pgbouncer = program("pgbouncer")
     host, port = _backend(pg_server)
     listen = _free_port()
     user = urlsplit(pg_server).username or "postgres"
@@ -91,7 +94,7 @@ pidfile = {workdir / "pgbouncer.pid"}
 """
     )
     run_as = _run_as(host)
-    command = [PGBOUNCER, *(["-u", run_as] if run_as else []), str(workdir / "pgbouncer.ini")]
+    command = [pgbouncer, *(["-u", run_as] if run_as else []), str(workdir / "pgbouncer.ini")]
     if run_as:
         entry = pwd.getpwnam(run_as)
         os.chown(workdir, entry.pw_uid, entry.pw_gid)

@@ -388,7 +388,7 @@ def test_one_statement_definition_renders_for_each_paramstyle() -> None:
     from aiooutbox._sql.statements import for_paramstyle, queries
 
     q = queries()
-    for sql, count in ((q.insert_one, 8), (q.insert_many, 8)):
+    for sql, count in ((q.insert_one, 9), (q.insert_many, 9)):
         assert for_paramstyle(sql, "numeric_dollar") == sql
         rendered = for_paramstyle(sql, "format")
         assert rendered == for_paramstyle(sql, "pyformat")

@@ -36,6 +36,7 @@ REFUSED = [
     ("holds_key", "true", "holds_key"),
     ("flow_counted", "true", "flow_counted"),
     ("flow_counted", "false", "flow_counted"),
+    ("failures", "'[]'", "failures"),
     ("headers", "'[1, 2]'", "headers [1, 2] (must be a JSON object)"),
     ("headers", "'null'", "headers null"),
 ]
@@ -57,6 +58,8 @@ ACCEPTED = [
     ("message_id", "gen_random_uuid()"),
     ("message_id", "NULL"),
     ("ordering_key", "'raw-key'"),
+    ("grp", "'tenant-1'"),
+    ("grp", "NULL"),
     ("locked_by", "NULL"),
     ("locked_at", "NULL"),
     ("lease_expires_at", "NULL"),
@@ -65,6 +68,7 @@ ACCEPTED = [
     ("blocks_key", "false"),
     ("holds_key", "false"),
     ("flow_counted", "NULL"),
+    ("failures", "NULL"),
 ]
 
 # set by every insert; `id` is GENERATED ALWAYS (only OVERRIDING SYSTEM VALUE sets it)

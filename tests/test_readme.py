@@ -1,6 +1,6 @@
 """Every Python and SQL snippet in README.md runs against a real database, and so do those
-of the user docs that no other test runs (docs/cli.md, consuming.md, ordering.md, and the
-idempotent handler of guarantees.md)."""
+of the user docs that no other test runs (docs/cli.md, consuming.md, ordering.md,
+batches.md, and the idempotent handler of guarantees.md)."""
 
 from __future__ import annotations
 
@@ -20,11 +20,14 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 DOCS = README.parent / "docs"
 # the pages whose whole-program snippets run here (the others' have tests of their own:
 # web.md in test_examples.py, producers.md in test_examples_adapters.py, relay.md in
-# test_relay_examples.py, deployment.md in test_production.py, dashboard.md in
-# tests/dashboard/test_mount.py)
+# test_relay_examples.py, cloudevents.md in test_cloudevents_docs.py, deployment.md in
+# test_production.py, dashboard.md in tests/dashboard/test_mount.py)
 SCRIPTED = {
     path.name: path
-    for path in (README, *(DOCS / n for n in ("cli.md", "consuming.md", "ordering.md")))
+    for path in (
+        README,
+        *(DOCS / n for n in ("cli.md", "consuming.md", "ordering.md", "batches.md")),
+    )
 }
 
 
@@ -46,6 +49,7 @@ def test_every_python_snippet_in_the_docs_has_a_test() -> None:
         "web.md",
         "producers.md",
         "relay.md",
+        "cloudevents.md",
         "deployment.md",
         "guarantees.md",
         "dashboard.md",
@@ -117,3 +121,6 @@ def test_readme_commands_match_ci() -> None:
     # the fast lane the contributor section documents is the marker CI knows about
     assert 'pytest -m "not slow"' in text
     assert "mypy tests benchmarks" in ci and "--durations=15" in ci
+    # CI installs the programs some tests start, checks them, and fails (never skips)
+    # a test whose program is missing (tests/programs.py)
+    assert "\nexport CI=true\n" in ci and "python -m tests.programs" in ci

@@ -29,6 +29,7 @@ from aiooutbox.relay import (
     sink_for_url,
 )
 from tests.clirunner import clean_env, cli
+from tests.programs import needs
 from tests.relay.brokers import (
     AMQP_URL,
     NATS_URL,
@@ -226,6 +227,7 @@ async def test_redis_message_format_and_maxlen(pool: asyncpg.Pool) -> None:
         await client.aclose()
 
 
+@needs("redis-server")
 async def test_redis_past_a_hundred_publishes_in_flight_is_no_outage(
     pool: asyncpg.Pool, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -256,6 +258,7 @@ async def test_redis_past_a_hundred_publishes_in_flight_is_no_outage(
 
 
 # -- Kafka (Tansu) -------------------------------------------------------------------------
+@needs("tansu")
 async def test_kafka_message_format_and_key(pool: asyncpg.Pool, kafka: Tansu) -> None:
     topic = unique("relay.fmt.")
     await kafka_topic(kafka.bootstrap, topic)
@@ -331,6 +334,7 @@ async def test_order_per_key_redis(pool: asyncpg.Pool) -> None:
         await client.aclose()
 
 
+@needs("tansu")
 async def test_order_per_key_kafka(pool: asyncpg.Pool, kafka: Tansu) -> None:
     """Kafka keys by the ordering key: one key, one partition, in order within it."""
     topic = unique("relay.order.")

@@ -26,6 +26,7 @@ import aiooutbox
 from aiooutbox.relay import KafkaSink, NatsSink, RabbitMQSink, RedisSink, WebhookSink
 from tests.clirunner import clean_env, cli
 from tests.conftest import Databases, with_database
+from tests.programs import needs
 from tests.relay.brokers import AMQP_URL, NATS_URL, REDIS_URL, Tansu, free_port, tansu
 from tests.relay.common import (
     RelayProcess,
@@ -103,6 +104,7 @@ def check(events: list[BaseCloudEvent], rows: dict[str, dict[str, Any]], source:
 
 
 # -- Kafka: binary mode, through the CLI with the default source ---------------------------
+@needs("tansu")
 async def test_kafka_binary_via_the_cli(dsn: str, pool: asyncpg.Pool, kafka: Tansu) -> None:
     topic = unique("ce-kafka-")
     await kafka_topic(kafka.bootstrap, topic)

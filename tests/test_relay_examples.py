@@ -13,6 +13,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from tests.programs import needs
 from tests.relay.brokers import AMQP_URL, NATS_URL, REDIS_URL, tansu
 from tests.relay.common import unique
 
@@ -49,6 +50,7 @@ async def test_relay_redis_example(dsn: str) -> None:
     assert sorted(json.loads(f[b"payload"])["order_id"] for _, f in entries) == [1, 2, 3]
 
 
+@needs("tansu")
 async def test_relay_kafka_example(dsn: str) -> None:
     from examples.relay_kafka import main
 
@@ -91,6 +93,7 @@ async def test_relay_doc_snippets_run(dsn: str, tmp_path: Path) -> None:
         assert b"stored: 1" in out
 
 
+@needs("tansu")
 async def test_relay_doc_tansu_commands_relay_to_kafka(dsn: str) -> None:
     """docs/relay.md's commands, as written (another port, no pip install): Tansu
     starts, and the relay they start publishes an event to it."""

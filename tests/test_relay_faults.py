@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 import aiooutbox
 from aiooutbox._engine.options import ConsumerOptions
 from tests.conftest import TEMPLATE, _drop, _new_database, with_database
+from tests.programs import needs
 from tests.relay.brokers import (
     AMQP_URL,
     NATS_URL,
@@ -36,7 +37,9 @@ from tests.relay.common import (
     wait_done,
 )
 
-pytestmark = pytest.mark.slow
+# a SIGKILL run of 20,000 events and its read-back: ~40 s alone, 100-120 s beside a busy
+# suite on two cores
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(360)]
 
 TOTAL = 20_000
 #: the relay processes' options (--concurrency 256, tests.relay.common.kill_midway)
@@ -154,6 +157,7 @@ def exactly_once(ids: list[str], expected: set[str], repeated: int) -> None:
     assert extra == 0, f"{extra} duplicates"
 
 
+@needs("redis-server")
 async def test_redis_exactly_once_through_sigkill(dsn: str, pool: asyncpg.Pool) -> None:
     """A private Redis: a repeated event is looked up by XRANGE before it is added."""
     broker = PrivateRedis()
@@ -172,6 +176,7 @@ async def test_redis_exactly_once_through_sigkill(dsn: str, pool: asyncpg.Pool) 
         broker.destroy()
 
 
+@needs("tansu")
 async def test_kafka_exactly_once_through_sigkill(
     dsn: str, pool: asyncpg.Pool, kafka: Tansu
 ) -> None:
@@ -187,6 +192,7 @@ async def test_kafka_exactly_once_through_sigkill(
     exactly_once(ids, await message_ids(pool), await repeats(pool))
 
 
+@needs("tansu")
 async def test_kafka_without_read_back_repeats_within_the_window(
     dsn: str, pool: asyncpg.Pool, kafka: Tansu
 ) -> None:
@@ -203,6 +209,7 @@ async def test_kafka_without_read_back_repeats_within_the_window(
     duplicates_within_window(ids, await message_ids(pool), await repeats(pool))
 
 
+@needs("redis-server")
 async def test_redis_without_read_back_repeats_within_the_window(
     dsn: str, pool: asyncpg.Pool
 ) -> None:
@@ -234,6 +241,7 @@ async def fill_ordered(pool: asyncpg.Pool, topic: str) -> None:
             await aiooutbox.enqueue_many(conn, batch)
 
 
+@needs("redis-server")
 async def test_redis_ordered_exactly_once_through_sigkill(dsn: str, pool: asyncpg.Pool) -> None:
     """Ordered events: a run member behind a recovered head gets its attempt back
     (``attempts`` 1 again) but is ``redelivered``, so it is looked up too."""
@@ -264,6 +272,7 @@ async def test_redis_ordered_exactly_once_through_sigkill(dsn: str, pool: asyncp
         broker.destroy()
 
 
+@needs("tansu")
 async def test_kafka_ordered_exactly_once_through_sigkill(
     dsn: str, pool: asyncpg.Pool, kafka: Tansu
 ) -> None:

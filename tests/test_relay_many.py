@@ -32,6 +32,7 @@ from aiooutbox.relay import KafkaSink, NatsSink, sink_for_url
 from tests.clirunner import clean_env, cli
 from tests.conftest import Databases, with_database
 from tests.faults.private_pg import private_postgres
+from tests.programs import needs
 from tests.relay.brokers import NATS_URL, NatsCluster, Tansu, free_port, tansu
 from tests.relay.common import (
     RelayProcess,
@@ -121,6 +122,7 @@ async def test_nats_first_host_down_second_up(pool: asyncpg.Pool, js: Any) -> No
         await js.delete_stream(stream)
 
 
+@needs("tansu")
 async def test_kafka_first_host_down_second_up(pool: asyncpg.Pool, kafka: Tansu) -> None:
     topic = unique("many-hosts-")
     await kafka_topic(kafka.bootstrap, topic)
@@ -208,6 +210,7 @@ async def test_stats_over_several_databases(
     rows = {line.split()[0]: line.split() for line in result.out.splitlines() if line}
     assert rows["DATABASE"][1:] == [
         "PENDING",
+        "SCHEDULED",
         "RETRY",
         "PROCESSING",
         "WAITING",
@@ -215,8 +218,8 @@ async def test_stats_over_several_databases(
         "DEAD",
         "LAG",
     ]
-    assert rows["alpha"][1] == "3" and rows["beta"][1] == "4" and rows["beta"][6] == "1"
-    assert rows["(all"][2:8] == ["7", "0", "0", "0", "0", "1"], result.out
+    assert rows["alpha"][1] == "3" and rows["beta"][1] == "4" and rows["beta"][7] == "1"
+    assert rows["(all"][2:9] == ["7", "0", "0", "0", "0", "0", "1"], result.out
     assert "beta: 1 dead" in result.out
     result = await cli("stats", "--dsn-file", str(listed), "--json")
     found = json.loads(result.out)
@@ -473,6 +476,7 @@ async def _stream_info(js: Any, name: str) -> Any:
 
 
 @pytest.mark.slow
+@needs("nats-server")
 async def test_jetstream_cluster_loses_the_stream_leader_midrelay(
     dsn: str, pool: asyncpg.Pool
 ) -> None:

@@ -15,6 +15,7 @@ import nats
 import pytest
 
 from aiooutbox.relay import KafkaSink, NatsSink, RabbitMQSink, Sink
+from tests.programs import needs
 from tests.relay.brokers import PrivateNats, PrivateRabbit, tansu
 from tests.relay.common import (
     counts,
@@ -79,6 +80,7 @@ async def through_outage(
     return produced
 
 
+@needs("nats-server")
 async def test_nats_outage_10s(pool: asyncpg.Pool) -> None:
     broker = PrivateNats()
     broker.start()
@@ -96,6 +98,7 @@ async def test_nats_outage_10s(pool: asyncpg.Pool) -> None:
         broker.destroy()
 
 
+@needs("rabbitmq-server")
 async def test_rabbitmq_outage_10s(pool: asyncpg.Pool) -> None:
     import aio_pika
 
@@ -115,6 +118,7 @@ async def test_rabbitmq_outage_10s(pool: asyncpg.Pool) -> None:
         broker.destroy()
 
 
+@needs("tansu")
 async def test_kafka_outage_10s(pool: asyncpg.Pool) -> None:
     """Tansu keeps its data in memory, so this outage freezes it (SIGSTOP) rather than
     restarting it: connections hang, requests time out, the client reconnects."""

@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 import aiooutbox
 from aiooutbox.relay import KafkaSink, RedisSink
 from tests.clirunner import cli
+from tests.programs import needs
 from tests.relay.brokers import AMQP_URL, NATS_URL, REDIS_URL, Tansu, tansu
 from tests.relay.common import kafka_read, kafka_topic, relaying, unique, wait_done
 from tests.test_relay_refusals import RETRY_LATER, enqueue, settled
@@ -51,6 +52,7 @@ async def events(pool: asyncpg.Pool, topic: str, n: int, first: int = 0) -> list
     return ids
 
 
+@needs("tansu")
 async def test_kafka_repeat_already_in_its_partition_is_not_produced_again(
     pool: asyncpg.Pool, kafka: Tansu
 ) -> None:
@@ -125,6 +127,7 @@ async def test_redis_without_read_back_adds_the_repeat_again(pool: asyncpg.Pool)
         await client.aclose()
 
 
+@needs("tansu")
 async def test_kafka_bound_after_the_partitions_last_record(
     pool: asyncpg.Pool, kafka: Tansu
 ) -> None:
@@ -153,16 +156,17 @@ async def test_kafka_bound_after_the_partitions_last_record(
 
 
 async def test_redelivered_marks_what_may_have_run(pool: asyncpg.Pool) -> None:
-    """First runs: False. ``attempts > 1``: True. An ordered row whose ``available_at``
-    a requeue moved past its creation (what lease recovery does to a run member behind
-    its head, giving its attempt back): True with ``attempts == 1``."""
+    """First runs: False. ``attempts > 1``: True. An ordered row a requeue gave its
+    attempt back (what lease recovery does to a run member behind its head, leaving its
+    error): True with ``attempts == 1``."""
     first = await enqueue(pool, "flag")
     ordered_first = await enqueue(pool, "flag", ordering_key="a")
     again = await enqueue(pool, "flag")
     behind = await enqueue(pool, "flag", ordering_key="b")
     await pool.execute(FAILED_ONCE, [again])
     await pool.execute(
-        "UPDATE outbox_events SET available_at = created_at + interval '10 ms' WHERE id = $1",
+        "UPDATE outbox_events SET last_error = 'lease expired: the worker stopped renewing it'"
+        " WHERE id = $1",
         behind,
     )
     seen: dict[int, tuple[int, bool]] = {}

@@ -30,6 +30,7 @@ from aiohttp.test_utils import TestServer
 import aiooutbox
 from aiooutbox.relay import KafkaSink, NatsSink, RabbitMQSink, RedisSink, WebhookSink
 from tests.clirunner import clean_env, cli
+from tests.programs import needs, program
 from tests.relay.brokers import (
     AMQP_URL,
     NATS_URL,
@@ -212,6 +213,7 @@ async def test_relay_command_refuses_a_destination_the_broker_cannot_take(dsn: s
 
 
 @pytest.mark.slow
+@needs("nats-server")
 async def test_nats_publish_permission_violation_is_no_outage(pool: asyncpg.Pool) -> None:
     """A subject the user may not publish to: the server drops the message and says so
     (-ERR 'Permissions Violation'); no PubAck will ever come. The event is retried with
@@ -308,6 +310,7 @@ def test_rabbitmq_destination_templates_checked_at_construction() -> None:
 
 
 @pytest.mark.slow
+@needs("rabbitmq-server")
 async def test_rabbitmq_message_over_max_message_size_dead_at_once(pool: asyncpg.Pool) -> None:
     """RabbitMQ closes the channel on a message over ``max_message_size``: the event is
     dead at once with the broker's reason, the others published beside it are
@@ -338,6 +341,7 @@ async def test_rabbitmq_message_over_max_message_size_dead_at_once(pool: asyncpg
 
 
 @pytest.mark.slow
+@needs("rabbitmq-server", "rabbitmqctl")
 async def test_rabbitmq_access_refused_is_no_outage(pool: asyncpg.Pool) -> None:
     """ACCESS_REFUSED closes the channel as an outage would, but it is the user's
     permissions: the event is retried with the policy at once, not held for
@@ -349,7 +353,9 @@ async def test_rabbitmq_access_refused_is_no_outage(pool: asyncpg.Pool) -> None:
     try:
         # guest may write (publish) only to exchanges whose name starts with "allowed"
         permissions = ["set_permissions", "-p", "/", "guest", ".*", "^allowed.*", ".*"]
-        subprocess.run(["rabbitmqctl", "-n", broker.name, *permissions], check=True, timeout=60)
+        subprocess.run(
+            [program("rabbitmqctl"), "-n", broker.name, *permissions], check=True, timeout=60
+        )
         async with await aio_pika.connect(broker.url) as connection:
             channel = await connection.channel()
             await channel.declare_exchange("denied", aio_pika.ExchangeType.FANOUT)
@@ -373,6 +379,7 @@ async def test_rabbitmq_access_refused_is_no_outage(pool: asyncpg.Pool) -> None:
 
 
 # -- Kafka (Tansu) -------------------------------------------------------------------------
+@needs("tansu")
 async def test_kafka_refusals_dead_at_once(
     pool: asyncpg.Pool, kafka: Tansu, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -407,6 +414,7 @@ def test_kafka_destination_templates_checked_at_construction() -> None:
         KafkaSink("127.0.0.1:9092", destination="outbox/{topic}")
 
 
+@needs("tansu")
 async def test_kafka_without_idempotent_producers_names_the_flag(dsn: str, kafka: Tansu) -> None:
     """Tansu's memory store refuses idempotent producers: one line naming the flag."""
     result = await cli("relay", "--to", f"kafka://{kafka.bootstrap}", "--dsn", dsn, env=clean_env())
@@ -451,6 +459,7 @@ async def test_redis_headers_field_is_the_events_headers_as_json(pool: asyncpg.P
 
 
 @pytest.mark.slow
+@needs("redis-server")
 async def test_redis_value_over_proto_max_bulk_len_dead_at_once(pool: asyncpg.Pool) -> None:
     """A private server with ``proto-max-bulk-len`` at its minimum (1 MB): the payload
     over it is refused ("invalid bulk length") and dead at once; the server drops the
@@ -473,6 +482,7 @@ async def test_redis_value_over_proto_max_bulk_len_dead_at_once(pool: asyncpg.Po
 
 
 @pytest.mark.slow
+@needs("redis-server")
 async def test_redis_out_of_memory_is_held_as_an_outage(pool: asyncpg.Pool) -> None:
     """A server over its ``maxmemory`` answers OOM to every write until memory frees:
     the events wait (no attempt spent), as for a lost connection, and are published

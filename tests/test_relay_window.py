@@ -18,6 +18,7 @@ import pytest
 
 import aiooutbox
 from aiooutbox.relay import Message, NatsSink, RabbitMQSink
+from tests.programs import needs
 from tests.relay.brokers import AMQP_URL, NATS_URL, PrivateNats
 from tests.relay.common import counts, nats_read, nats_stream, rabbit_read, relaying, unique
 
@@ -31,27 +32,28 @@ class Counting:
         self.now = 0
         self.peak = 0
 
-    async def around(self, send: Any, message: Message) -> None:
-        self.now += 1
+    async def around(self, send: Any, messages: list[Message]) -> list[BaseException | None]:
+        self.now += len(messages)
         self.peak = max(self.peak, self.now)
         try:
-            await send(message)
+            results: list[BaseException | None] = await send(messages)
+            return results
         finally:
-            self.now -= 1
+            self.now -= len(messages)
 
 
 class CountingNats(NatsSink):
     counting = Counting()
 
-    async def _send(self, message: Message) -> None:
-        await self.counting.around(super()._send, message)
+    async def _send_many(self, messages: list[Message]) -> list[BaseException | None]:
+        return await self.counting.around(super()._send_many, messages)
 
 
 class CountingRabbit(RabbitMQSink):
     counting = Counting()
 
-    async def _send(self, message: Message) -> None:
-        await self.counting.around(super()._send, message)
+    async def _send_many(self, messages: list[Message]) -> list[BaseException | None]:
+        return await self.counting.around(super()._send_many, messages)
 
 
 @pytest.fixture
@@ -95,7 +97,9 @@ def assert_in_order(payloads: list[dict[str, int]]) -> None:
 
 async def test_nats_window_bounds_publishes_and_keeps_order(pool: asyncpg.Pool, js: Any) -> None:
     """A consumer holding 256 rows, a window of 16: never more than 16 publishes await a
-    PubAck, the window is used in full, and each key's events reach the stream in order."""
+    PubAck, more than one is in flight at once, and each key's events reach the stream in
+    order. (How full the window gets depends on how the claims' batches fall: CI under
+    load once peaked at 15, so only the bound and the pipelining are asserted.)"""
     stream, topic = unique("WINDOW"), unique("relay.window.")
     await nats_stream(js, stream, [topic], "memory")
     sink = CountingNats(NATS_URL, max_in_flight=16)
@@ -104,7 +108,7 @@ async def test_nats_window_bounds_publishes_and_keeps_order(pool: asyncpg.Pool, 
         async with relaying(pool, sink, concurrency=256):
             await wait_settled(pool, KEYS * PER_KEY)
         print(f"peak publishes in flight: {sink.counting.peak}")
-        assert sink.counting.peak == 16
+        assert 1 < sink.counting.peak <= 16
         assert await counts(pool) == {"done": KEYS * PER_KEY}
         assert_in_order([json.loads(m.data) for m in await nats_read(js, stream, topic)])
     finally:
@@ -124,7 +128,7 @@ async def test_rabbitmq_window_bounds_publishes_and_keeps_order(pool: asyncpg.Po
             async with relaying(pool, sink, concurrency=128):
                 await wait_settled(pool, KEYS * PER_KEY)
             print(f"peak publishes in flight: {sink.counting.peak}")
-            assert sink.counting.peak == 8
+            assert 1 < sink.counting.peak <= 8
             assert await counts(pool) == {"done": KEYS * PER_KEY}
             found = await rabbit_read(AMQP_URL, queue, KEYS * PER_KEY)
             assert_in_order([json.loads(m.body) for m in found])
@@ -164,6 +168,7 @@ async def test_nats_failure_amid_concurrent_publishes_settles_only_its_event(
         await js.delete_stream(stream)
 
 
+@needs("nats-server")
 async def test_nats_pubacks_that_never_come_time_out_then_dedupe(pool: asyncpg.Pool) -> None:
     """A frozen server (SIGSTOP) answers no PubAck: each publish fails after about
     publish_timeout (the sweep), is retried by the consumer, and once the server thaws

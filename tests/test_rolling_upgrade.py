@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -21,10 +20,9 @@ import pytest
 import aiooutbox
 from aiooutbox._sql.statements import queries
 from aiooutbox.migrations import migrations
-from tests.helpers import running, wait_until
+from tests.helpers import extract_release, running, wait_until
 
 PREVIOUS = "ab0edab"
-ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.slow
 
@@ -32,14 +30,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def previous_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The previous release's package, extracted from git."""
-    where = tmp_path_factory.mktemp("previous")
-    archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", PREVIOUS, "aiooutbox"],
-        check=True,
-        capture_output=True,
-    )
-    subprocess.run(["tar", "-x", "-C", str(where)], input=archive.stdout, check=True)
-    return where
+    return extract_release(tmp_path_factory.mktemp("previous"), PREVIOUS, "aiooutbox")
 
 
 OLD_CONSUMER = textwrap.dedent(

@@ -7,19 +7,27 @@ pass the settlement's fence and settle a row that is about to run (seen once in 
 runs of the ordering SIGKILL test with a frozen event loop: a stale `done` landed on the
 new claim, which then ran the event on a row already `done`; a stale retry would have
 let a second consumer take the key while the first ran it). The claim drops such
-outcomes before they are written (`Settler.drop_stale`).
+outcomes before they are written (`Settler.drop_stale`), and does not start a row whose
+stale outcome is being written, or was written while the claim was under way: the
+settle's UPDATE waits for the claim's row locks, lands on the new claim, and its reply
+may be read before the claim's (`Settler.claiming`).
 """
 
 from __future__ import annotations
+
+import asyncio
+from typing import Any
 
 import anyio
 import asyncpg
 import pytest
 
 import aiooutbox
+from aiooutbox._engine.dispatcher import Dispatcher
 from aiooutbox._engine.rows import ClaimedRow
 from aiooutbox._engine.settler import Settler
 from aiooutbox._sql.statements import queries
+from tests.helpers import running, wait_until
 
 Q = queries()
 
@@ -115,3 +123,117 @@ async def test_an_outcome_being_written_is_reported_not_dropped(
     finally:
         await locker.close()  # a transaction still open ends with it
     assert await _row(pool, event_id) == ("done", "w", 1)
+
+
+async def test_a_stale_outcome_written_during_the_claim_does_not_start_the_row(
+    pool: asyncpg.Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stale outcome's write is under way when the claim is sent, lands on the new
+    claim just after it commits (the settle's UPDATE waits for the claim's row locks),
+    and its reply is read before the claim's: when the claim's rows are handed out the
+    outcome is neither waiting nor being written, but the row is already settled. Seen
+    once in sixteen runs of the ordering SIGKILL test as a run started on a ``done``
+    row. Forced here with a real consumer: the settler's write is held until the claim
+    has committed, and the claim's rows are handed out once the write's reply is read."""
+    head = await aiooutbox.enqueue(pool, "t", {"seq": 0}, ordering_key="k")
+    member = await aiooutbox.enqueue(pool, "t", {"seq": 1}, ordering_key="k")
+    assert head is not None and member is not None
+    first = await _claim(pool)  # an earlier claim of this consumer ("w")
+    assert first == {head: 1, member: 1}
+    # its lease lapsed (a frozen loop) and recovery took the run back: the head to
+    # retry, the member to waiting with its attempt given back
+    await pool.execute(
+        "UPDATE outbox_events SET lease_expires_at = now() - interval '1 second'"
+        " WHERE id = ANY ($1::bigint[])",
+        [head, member],
+    )
+    await pool.fetch(Q.recover_expired, 100)
+    assert await _row(pool, member) == ("waiting", "w", 0)
+
+    writing, landed = asyncio.Event(), asyncio.Event()
+    execute = Settler._execute
+
+    async def held_write(self: Settler, conn: asyncpg.Connection, statements: Any) -> Any:
+        if member in self._writing.ids() and not landed.is_set():
+            writing.set()
+            await landed.wait()  # until the claim has committed
+        return await execute(self, conn, statements)
+
+    claim_open = Dispatcher._claim_open
+    forced = False
+
+    async def claim_while_writing(self: Dispatcher, *args: Any) -> list[ClaimedRow]:
+        nonlocal forced
+        if forced:
+            return await claim_open(self, *args)
+        forced = True
+        # the earlier claim's outcome of the member (it ran before the freeze ended),
+        # its write sent before this claim
+        self._settler.done(member, first[member])
+        self._settler.hurry()
+        await asyncio.wait_for(writing.wait(), 10)
+        rows = await claim_open(self, *args)  # the key again: the member at attempt 1
+        landed.set()
+        with anyio.fail_after(10):  # the write's reply is read before the claim's
+            while self._settler.backlog:
+                await asyncio.sleep(0.005)
+        return rows
+
+    monkeypatch.setattr(Settler, "_execute", held_write)
+    monkeypatch.setattr(Dispatcher, "_claim_open", claim_while_writing)
+    started: list[tuple[int, int, str]] = []
+
+    async def handle(event: aiooutbox.Event) -> None:
+        seen = await pool.fetchval(
+            "SELECT status::text || ' ' || coalesce(locked_by, '-') FROM outbox_events"
+            " WHERE id = $1",
+            event.id,
+        )
+        started.append((event.id, event.attempts, seen))
+
+    consumer = aiooutbox.OutboxConsumer(pool, worker_id="w", concurrency=2, poll_interval=0.2)
+    async with running(consumer, {"t": handle}):
+        await wait_until(lambda: _done(pool, head, member), timeout=20)
+        await asyncio.sleep(0.2)  # a handler started on the settled member would show now
+    print(f"handlers started: {started}")
+    assert forced and landed.is_set()
+    # the stale outcome settled the member (it ran under the earlier claim); the new
+    # claim ran the head, and never started the member on a row it no longer held
+    assert await _row(pool, member) == ("done", "w", 1)
+    assert started == [(head, 2, "processing w")], started
+
+
+async def _done(pool: asyncpg.Pool, *ids: int) -> bool:
+    done: int = await pool.fetchval(
+        "SELECT count(*) FROM outbox_events WHERE id = ANY ($1::bigint[]) AND status = 'done'",
+        list(ids),
+    )
+    return done == len(ids)
+
+
+async def test_only_writes_that_end_during_the_claim_leave_it_unsure(pool: asyncpg.Pool) -> None:
+    """A write that ended before the claim was sent committed before it (fenced off, or
+    the row was not claimable): the claim may start the row. One that ended after (or
+    failed: its commit may have been lost with the reply) may have landed on it."""
+    event_id = await aiooutbox.enqueue(pool, "t", {"seq": 0})
+    assert event_id is not None
+    settler = Settler(pool, Q, "w", flush_interval=0.001, flush_size=1, statement_timeout=30)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(settler.run)
+        settler.done(event_id, 1)  # the row is not ours: fenced off
+        with anyio.fail_after(10):
+            while settler.backlog:
+                await anyio.sleep(0.01)
+        with settler.claiming():
+            assert not settler.stale_possible()
+            assert settler.drop_stale([(event_id, 1)]) == set()
+            settler.done(event_id, 1)
+            with anyio.fail_after(10):
+                while settler.backlog:
+                    await anyio.sleep(0.01)
+            assert settler.stale_possible()
+            assert settler.drop_stale([(event_id, 1)]) == {event_id}
+            assert settler.drop_stale([(event_id, 2)]) == set()  # another attempt
+        assert not settler.stale_possible()  # the claim's rows were handed out
+        assert settler.fenced == 2
+        tg.cancel_scope.cancel()

@@ -462,6 +462,8 @@ def machine_dsn(pg_server: str) -> Iterator[str]:
         asyncio.run(_drop(pg_server, name))
 
 
+# 300 examples of 40 steps: about a minute alone, twice that beside a busy suite
+@pytest.mark.timeout(360)
 def test_row_state_machine(machine_dsn: str) -> None:
     world = World(machine_dsn)
     try:

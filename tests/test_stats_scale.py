@@ -50,8 +50,8 @@ async def _history(conn: asyncpg.Connection) -> None:
 
 
 EXPECTED = {
-    "a": {"pending": 2, "retry": 1, "processing": 2, "waiting": 0, "dead": 1},
-    "b": {"pending": 1, "retry": 0, "processing": 0, "waiting": 1, "dead": 0},
+    "a": {"pending": 2, "scheduled": 0, "retry": 1, "processing": 2, "waiting": 0, "dead": 1},
+    "b": {"pending": 1, "scheduled": 0, "retry": 0, "processing": 0, "waiting": 1, "dead": 0},
 }
 
 
@@ -113,6 +113,7 @@ async def test_stats_counts_done_exactly_below_the_bound(conn: asyncpg.Connectio
     assert not report.done_estimated
     assert report.totals == {
         "pending": 1,
+        "scheduled": 0,
         "retry": 0,
         "processing": 0,
         "waiting": 0,

@@ -91,10 +91,17 @@ async def test_claims_and_settles_do_not_visit_an_unconsumed_topics_backlog(
     ]
     worker, epoch = "isolation-plans", datetime(1970, 1, 1, tzinfo=UTC)
     claim = (worker, 30.0, topics, 100, 1 << 40, 100, 100)
+    none: list[None] = [None] * len(topics)
     # each claim alone (in its own rolled-back transaction), then settling what it took
     for name, sql, args in (
         ("claim", Q.claim, claim),
         ("claim_after", Q.claim_after, (*claim, epoch, 0)),
+        # from low marks (migration 0019): a first claim, from the start
+        (
+            "claim_marked",
+            Q.claim_marked,
+            (*claim, none, none, [], 0.05, None, 32, none, none, [0] * len(none), 512),
+        ),
     ):
         plans = await nested_plans(
             backlog,
@@ -132,7 +139,11 @@ async def test_idle_probe_does_not_visit_an_unconsumed_topics_backlog(
 ) -> None:
     async with backlog.transaction():
         await backlog.execute("SET LOCAL plan_cache_mode = force_generic_plan")
-        stmt = await backlog.prepare("EXPLAIN (ANALYZE, BUFFERS) " + Q.idle_probe)
-        plan = "\n".join(r[0] for r in await stmt.fetch(["a", "c"]))
-    assert "topic_claimable_idx" in plan and "Seq Scan" not in plan, plan
-    assert buffers(plan) <= BOUND, f"the idle probe touched {buffers(plan)} buffers:\n{plan}"
+        for sql, args in (
+            (Q.idle_probe, (["a", "c"],)),
+            (Q.idle_probe_marked, (["a", "c"], [None, None], [None, None], [1])),
+        ):
+            stmt = await backlog.prepare("EXPLAIN (ANALYZE, BUFFERS) " + sql)
+            plan = "\n".join(r[0] for r in await stmt.fetch(*args))
+            assert "topic_claimable_idx" in plan and "Seq Scan" not in plan, plan
+            assert buffers(plan) <= BOUND, f"the probe touched {buffers(plan)} buffers:\n{plan}"

@@ -227,7 +227,7 @@ def test_without_opentelemetry_nothing_is_imported_and_tracing_says_what_to_inst
         """
     )
     assert result.returncode == 0, result.stderr
-    assert 'pip install "aiooutbox[otel]"' in result.stdout
+    assert "pip install -e '.[otel]' in a clone of aiooutbox" in result.stdout
     assert result.stdout.strip().endswith("[]")
 
 

@@ -220,8 +220,12 @@ async def _apply(
     if _state(after) == _state(before):
         return before
     if not after.paused and not after.limited:
-        await conn.execute(fq.delete_control, topic)
         result = TopicControl(topic)
+        deleted = await conn.execute(fq.delete_control, topic)
+        if deleted == "DELETE 0" and row is not None:  # kept for its group limits: cleared
+            await conn.fetchrow(
+                fq.upsert_control, topic, False, None, None, None, None, actor, True
+            )
     else:
         refill = (after.rate, after.burst) != (before.rate, before.burst)
         result = _control(

@@ -25,7 +25,9 @@ __all__ = [
     "WorkerStats",
 ]
 
-STATUSES = ("pending", "retry", "processing", "waiting", "done", "dead")
+# the states `stats` counts: the table's statuses, with `pending` split by time into
+# `pending` (due now) and `scheduled` (not due yet: enqueued with a delay)
+STATUSES = ("pending", "scheduled", "retry", "processing", "waiting", "done", "dead")
 
 
 @dataclass(frozen=True)

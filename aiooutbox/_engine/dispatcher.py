@@ -1,9 +1,9 @@
 """The claim loop: claim rows sized to the free handler slots, hand them to workers.
 
-`ClaimWindow` is the pure part (no I/O, unit-tested): where the next claim starts
-(the watermark), when a full claim from the oldest entry is due, and how many rows to
-ask for after a claim timed out. `Dispatcher` is the loop around it: linger after an
-empty claim, advertise idleness, wait for a notification or the fallback poll.
+The pure parts are in `claim_window` (no I/O, unit-tested): where the next claim starts
+(`Marks`: each topic's low mark; `ClaimWindow`: the watermark of a consumer of every
+topic) and how many rows to ask for after a timeout. `Dispatcher` is the loop around
+them: linger after an empty claim, advertise idleness, wait for a wake-up or the poll.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from .._sql.db import TRANSIENT_ERRORS, HeldConnection, bounded, check_permanent
 from .._values.text import exception_message, exception_summary
 from ..errors import OutboxError
 from ..observe import Observers
-from .claim_window import Arrivals, ClaimWindow
+from .claim_window import OPEN, Arrivals, ClaimWindow, Marks
+from .groups import GROUPS_PER_CLAIM, PROBE_GROUPS, GroupCursor
 from .handoff import Handoff, Run, runs_of
 from .leases import Leases
 from .listener import Listener
@@ -39,20 +40,17 @@ logger = logging.getLogger("aiooutbox.consumer")
 # After an empty claim, look again after these pauses before declaring idle, so that
 # under steady load a consumer never waits on NOTIFY (and producers never pay for it).
 _LINGER = (0.002, 0.004, 0.008, 0.016, 0.032)
-# an idle consumer that sees another transaction holding the table's write lock looks
-# again after the first pause, doubling up to the second (see `_idle_timeout`)
+# an idle consumer that sees a transaction holding the table's write lock looks again
 _RECHECK = (0.01, 1.0)
-# rows claimed ahead of the free workers: about this many seconds of work at the
-# recent rate (at most `prefetch`)
+# rows claimed ahead of the free workers: about this many seconds of work at the recent rate
 _AHEAD_FOR = 0.1
 # the most events of one ordered key a claim takes behind its head (and never more than
 # the claim asks for): one key's drain is a claim, a run and a settlement per run, so
 # longer runs pay those fewer times (20k events of one key: 7-9k/s with 256, 9-11k/s
 # with 1,024 at want 512; docs/benchmarks.md, "Migration 0008")
 _MAX_RUN = 1024
-# the run rows a claim may take in all, per head asked for (docs/benchmarks.md, "Ordered
-# delivery and topic isolation": larger budgets made claims so big that work came out
-# in bursts)
+# the run rows a claim may take in all, per head asked for (larger budgets made work
+# come out in bursts: docs/benchmarks.md, "Ordered delivery and topic isolation")
 _RUN_ROWS_PER_HEAD = 2
 # the claim's connection is kept from one claim to the next (see `HeldConnection`), and
 # given back when the loop goes idle or waits this long for free slots
@@ -91,6 +89,8 @@ class Dispatcher:
         self._listener = listener
         self._is_stopping = is_stopping
         self.window = ClaimWindow(options.dense_claim_size)
+        self.groups = GroupCursor()  # where the next claim resumes among groups
+        self.marks = Marks()  # a claim of listed topics starts at their marks, not the window
         self._arrivals = Arrivals()
         self._recheck = _RECHECK[0]  # the next look while a writer's transaction is open
         # a claim failed (its reply may have been lost), or we just started (a consumer
@@ -216,9 +216,10 @@ class Dispatcher:
                 and await self._listener_back(listener)
             ):
                 continue
-            # leaving the fast path: the next claim starts from the oldest entry, so a row
-            # the watermark hid is never left waiting for a poll
+            # leaving the fast path: the next claim starts at the oldest entry or new marks
             self.window.force_full()
+            self.marks.renew()
+            self._flow.forget_topics()
             await self._conn.release()
             if o.listen and not idle and self._listening:
                 # advertise, then look once more: an insert that committed before the
@@ -279,32 +280,43 @@ class Dispatcher:
     async def _claim(self, want: int, handoff: Handoff[Run]) -> list[ClaimedRow]:
         """Claim up to ``want`` rows and hand them to the workers; return them.
 
-        Limited topics (flow control) first, each on its share of ``want``, then the
-        open topics on what is left, on one connection."""
+        Limited topics (flow control) and the open topics each on a share of ``want``,
+        taking turns (`Turns`), on one connection, all within `max_claim_bytes`: the
+        limited ones first, then the open ones on the rows and bytes left, unless the
+        open ones come first in turn."""
         window = self.window
         started = time.monotonic()
         want = min(want, window.size)
         flow = self._flow
-        limited = flow.due(started) if flow.active else []
         topics = flow.open_topics()
         claim_open = topics != [] and not flow.open_quiet(started, self._signals.wakes)
+        shares = flow.shares(want, flow.due(started), claim_open) if flow.active else {}
+        open_first = next(iter(shares), None) == OPEN
+        limited = {t: n for t, n in shares.items() if t != OPEN}
         if not (limited or claim_open):
             return []
         full = window.next_is_full(started)
         taken: list[ClaimedRow] = []
         rows: list[ClaimedRow] = []
+        size = 0  # stored payload bytes of the limited rows
+        opened = False
         # shielded: a claim the server committed is always read and handed out, so a
         # fast stop during a claim releases its rows instead of stranding them for a
-        # lease (the wait is bounded by the acquire and statement timeouts)
-        with anyio.CancelScope(shield=True):
+        # lease (the wait is bounded by the acquire and statement timeouts); until the
+        # rows are handed out, the settler keeps the writes that end (`_hand_out`)
+        with anyio.CancelScope(shield=True), self._settler.claiming():
             async with self._conn.use() as conn:
+                if claim_open and topics is None and flow.lists_topics:
+                    topics = await flow.listed(conn, started)
+                    claim_open = topics != []
+                if claim_open and open_first:
+                    rows, opened = await self._claim_open(conn, topics, shares[OPEN], 0, full), True
                 if limited:
-                    share = -(-want // (len(limited) + claim_open))
-                    taken = await flow.claim(conn, limited, share)
+                    taken, size = await flow.claim(conn, limited, rows, self.groups)
                     self._stats.claims += 1
                 rest = want - len(taken)
-                if claim_open and rest > 0:
-                    rows = await self._claim_open(conn, topics, rest, full)
+                if claim_open and not opened and rest > 0 and size < self._o.max_claim_bytes:
+                    rows, opened = await self._claim_open(conn, topics, rest, size, full), True
                 ended = time.monotonic()
                 if self._observers:  # first: they say here whether they want these events
                     self._observers.claimed(len(taken) + len(rows), ended - started)
@@ -312,33 +324,40 @@ class Dispatcher:
                     self._hand_out(taken, handoff, started, first=True)
                 if rows:
                     self._hand_out(rows, handoff, started)
-        if claim_open and rest > 0:
+        if opened:
             self._stats.claims += 1
             flow.opened(len(rows))
-            window.claimed([r.available_at for r in rows], full=full, started=started, ended=ended)
+            ats = [r.available_at for r in rows] if topics is None else []  # its watermark
+            window.claimed(ats, full=full and topics is None, started=started, ended=ended)
+            self.groups.served({r.group for r in rows if r.is_head})
         return taken + rows if taken else rows
 
     async def _claim_open(
-        self, conn: asyncpg.Connection, topics: list[str] | None, want: int, full: bool
+        self, conn: asyncpg.Connection, topics: list[str] | None, want: int, used: int, full: bool
     ) -> list[ClaimedRow]:
         args: tuple[Any, ...] = (
             self._o.worker_id,
             self._o.lease_timeout,
             topics,
             want,
-            self._o.max_claim_bytes,
+            self._o.max_claim_bytes - used,  # the limited topics' rows took ``used``
             # an ordered key's events behind its head, run in order by one worker
             min(want, _MAX_RUN),
             # every run together: twice as many rows as heads (a run occupies one
             # worker, so runs add rows to a claim, not concurrency)
             _RUN_ROWS_PER_HEAD * want,
         )
-        sql = self._q.claim
-        if not full:
-            assert self.window.watermark is not None
-            sql = self._q.claim_after
-            args += self.window.watermark
+        if topics is not None:  # from each topic's low mark (`Marks`)
+            sql, more, marked = self.marks.claim(self._q, topics, time.monotonic())
+        else:  # every topic: from the watermark, now and then from the start
+            sql, more, marked = self._q.claim_in_turn, (None, None), False
+            more = more if full else self.window.watermark or more
+        args += (*more, self.groups.value, GROUPS_PER_CLAIM)  # resuming among groups
+        if marked and topics is not None:  # each topic's sweep of its groups goes on
+            args += (*self.marks.sweeps(topics), PROBE_GROUPS)
         records = await conn.fetch(sql, *args, timeout=self._o.statement_timeout)
+        if marked and topics is not None:  # the last record holds the new marks
+            self.marks.update(topics, records.pop()[2])
         return ClaimedRow.from_records(records)
 
     async def take_back_orphans(self, why: str) -> None:
@@ -385,16 +404,11 @@ class Dispatcher:
         # the claim set each lease to end at its own start + lease_timeout, which came
         # after `started`: this end is never later than the database's
         self._leases.hold_all(rows, started + self._o.lease_timeout)
-        if self._settler.backlog and (
-            again := [(r.id, r.attempts) for r in rows if r.claimed_before()]
-        ):
-            # a row claimed again after an earlier claim of ours lapsed: that claim's
-            # outcome must not settle this one (see `Settler.drop_stale`); one being
-            # written now may, so such a row is given up as a lapsed claim is
-            unsure = self._settler.drop_stale(again)
-            for row in rows if unsure else ():
-                if row.id in unsure:
-                    self._leases.lost(row)
+        self._settler.tallies.claims(rows)  # the lag at claim, for the dashboard's charts
+        # a lapsed claim's outcome of a row claimed again is dropped unwritten; if it may
+        # have settled this claim, the row is given up as a lapsed one is (`drop_stale`)
+        for row in self._settler.stale_claims(rows):
+            self._leases.lost(row)
         if first:
             handoff.put_first_all(runs_of(rows))
             return
@@ -409,8 +423,8 @@ class Dispatcher:
             timeout = min(timeout, flow.next_due(time.monotonic()))
         topics = flow.quiet_topics() if flow.active else self._topics
         try:
-            args: tuple[Any, ...] = () if topics is None else (topics,)
-            sql = self._q.idle_probe_any if topics is None else self._q.idle_probe
+            args: tuple[Any, ...] = () if topics is None else self.marks.probe_args(topics)
+            sql = self._q.idle_probe_any if topics is None else self._q.idle_probe_marked
             if topics is None and (held := flow.held_back()):
                 sql, args = flow.queries.idle_probe_except, (held,)
             probe = await bounded(

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from functools import partial
 
 import anyio
 import asyncpg
@@ -22,14 +23,17 @@ from .._sql.db import TRANSIENT_ERRORS
 from .._values.text import exception_summary
 from ..handlers import Handler
 from ..observe import Observers
+from .batch_run import BatchExecutor, batch_worker
+from .batches import BatchHandoff, Slots
 from .dispatcher import Dispatcher, declare
 from .executor import Executor
-from .handoff import Handoff, Run
+from .handoff import Handoff, Run, Ticket
 from .leases import Leases
 from .listener import Listener
 from .maintenance import Maintenance
 from .options import ConsumerOptions
 from .registry import Registry
+from .rollups import Rollups, Tallies
 from .rows import ConsumerStats
 from .settler import Settler
 from .signals import Signals
@@ -100,6 +104,7 @@ class Engine:
         topics = self._topics
         o = self._options
         signals = self._signals
+        tallies = Tallies()
         settler = self.settler = Settler(
             self._pool,
             o.queries,
@@ -110,6 +115,7 @@ class Engine:
             on_promoted=signals.set_wake,  # the key's next event may be ours to claim
             on_retry_due=signals.retry_written,
             on_written=lambda: written(),
+            tallies=tallies,
         )
         logger.info(
             "consumer %s starting: topics=%s concurrency=%d",
@@ -177,7 +183,10 @@ class Engine:
                 statement_timeout=o.statement_timeout,
                 orphan_sweep_interval=o.orphan_sweep_interval,
                 registry=registry,
+                tallies=tallies,
             )
+            rollups = Rollups(self._pool, o, tallies)
+            services.start_soon(rollups.run)
             services.start_soon(maintenance.heartbeat_loop)
             services.start_soon(maintenance.recovery_loop)
             services.start_soon(maintenance.retention_loop)
@@ -185,7 +194,8 @@ class Engine:
             if o.watchdog_interval is not None:
                 self.watchdog = Watchdog(self._pool, o)
                 services.start_soon(self.watchdog.run)
-            executor = Executor(
+            batching = any(h.batch is not None for h in self._handlers.values())
+            executor = (BatchExecutor if batching else Executor)(
                 handlers=self._handlers,
                 settler=settler,
                 leases=self._leases,
@@ -202,6 +212,17 @@ class Engine:
                 observers=self._observers,
                 lease_margin=o.lease_timeout * LEASE_MARGIN,
             )
+            handoff: Handoff[Run]
+            work: Callable[[], Awaitable[None]]
+            if isinstance(executor, BatchExecutor):
+                # batch handlers: their topics' events wait in pools, event slots count
+                handoff = batches = BatchHandoff(self._handlers, o.concurrency)
+                slots = Slots(o.concurrency)
+                executor.attach(batches, slots)
+                work = partial(batch_worker, batches, executor, slots)
+            else:
+                handoff = Handoff()
+                work = partial(_worker, handoff, executor)
             dispatcher = Dispatcher(
                 self._pool,
                 o,
@@ -215,14 +236,13 @@ class Engine:
                 observers=self._observers,
                 flow=flow,
             )
-            handoff: Handoff[Run] = Handoff()
             try:
                 async with anyio.create_task_group() as workers:
                     self.workers_scope = workers.cancel_scope
                     if self._in_a_hurry():
                         workers.cancel_scope.cancel()
                     for _ in range(o.concurrency):
-                        workers.start_soon(_worker, handoff, executor)
+                        workers.start_soon(work)
                     try:
                         await dispatcher.run(handoff)
                     finally:
@@ -233,11 +253,11 @@ class Engine:
                 handoff.close()
                 # runs handed out that no worker took (a fast stop): release them too
                 while (run := handoff.take_nowait()) is not None:
-                    head, rest = (run[0], run[1:]) if isinstance(run, list) else (run, [])
-                    executor.release(head)
-                    self._leases.finish(head)
-                    self._stats.in_flight -= 1
-                    executor.give_back(rest)
+                    if not isinstance(run, Ticket):  # a batch topic's pool: just below
+                        executor.drop(run)
+                if isinstance(handoff, BatchHandoff):
+                    for unit in handoff.leftovers():
+                        executor.drop(unit)
                 await settler.close(timeout=max(o.statement_timeout, 5.0))
                 with anyio.CancelScope(shield=True):
                     # no row claimed under our id may stay `processing` once run()
@@ -248,6 +268,7 @@ class Engine:
                         )
                     if o.listen:
                         await _quietly(declare(self._pool, o, topics, busy=True))
+                    await _quietly(rollups.flush())
                     await registry.remove()
                 services.cancel_scope.cancel()
         logger.info(
@@ -284,8 +305,8 @@ async def _worker(handoff: Handoff[Run], executor: Executor) -> None:
             return
         if isinstance(run, list):  # an ordered key's run
             await executor.execute_run(run)
-        else:  # an unordered event
-            await execute(run)
+        else:  # an unordered event (tickets are a batch consumer's: `batch_worker`)
+            await execute(run)  # type: ignore[arg-type]
 
 
 async def _quietly(awaitable: object, level: int = logging.DEBUG) -> None:

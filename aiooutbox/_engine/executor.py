@@ -127,6 +127,14 @@ class Executor:
                 self._settler.record(Settlement(row.id, row.attempts, Outcome.UNRUN))
             self._finish(row)
 
+    def drop(self, run: ClaimedRow | list[ClaimedRow]) -> None:
+        """A unit of work no worker will run (a fast stop): its first event released,
+        the rest of an ordered run given back to waiting behind it."""
+        head, rest = (run[0], run[1:]) if isinstance(run, list) else (run, [])
+        self.release(head)
+        self._finish(head)
+        self.give_back(rest)
+
     def _superseded(self, row: ClaimedRow) -> bool:
         """True (and logged) if this consumer claimed the row again after this claim's
         lease lapsed: the row is the newer claim's to settle. Settlements are fenced by
@@ -237,7 +245,7 @@ class Executor:
                 # the usual case (no claim ever replaced another) costs one attribute
                 leases = self._leases
                 if not leases.replaced or leases.holds(row) or not self._superseded(row):
-                    self._settler.done(row.id, row.attempts)
+                    self._settler.done(row.id, row.attempts, row.topic)
                 self._stats.done += 1
                 if observing:
                     observers.settled(row.topic, "done")
@@ -291,6 +299,7 @@ class Executor:
             row.message_id,
             row.ordering_key,
             row.claimed_before(),
+            row.group,
         )
 
     def release(self, row: ClaimedRow) -> None:
@@ -365,6 +374,7 @@ class Executor:
             )
         if not self._superseded(row):
             self._settler.record(Settlement(row.id, row.attempts, outcome, delay, error, blocks))
+            self._settler.tallies.failed(row.topic, dead)
         if self._observers:
             self._observers.settled(row.topic, "dead" if dead else "retry")
         # a dead event of a key that blocks stops its run, as a retry does

@@ -9,11 +9,16 @@ many rows a limited topic may give. This view only decides what to ask for and w
   notification `FLOW_NOTICE`), and every `REFRESH` seconds in case one was missed;
 - paused topics are not claimed, not advertised as idle, and their due rows do not cut
   the idle wait short;
-- a limited topic is claimed on its own statement, at most its share of a claim. When
-  it gave fewer rows than asked, it is asked again only when that can help: at
+- a limited topic is claimed on its own statement, at most its share of a claim (the
+  claim's rows split among the limited topics due and the open ones, in turn: `Turns`).
+  When it gave fewer rows than asked, it is asked again only when that can help: at
   max_running, once the outcome of a row of it this consumer held is written, or after
   `RUNNING_RECHECK` (a slot another consumer freed); out of tokens, when the next one
-  is due; with nothing claimable, after a wake-up or `EMPTY_RECHECK`.
+  is due; with nothing claimable, after a wake-up or `EMPTY_RECHECK`. Asking them
+  again takes at most `_RECHECK_SHARE` of the time: with hundreds of topics held back,
+  those rechecks come less often;
+- a consumer of every topic claims, while some topics are held, the topics a statement
+  of their own found with events, held ones left out (`TopicList`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from anyio.abc import TaskStatus
 from .._sql.db import TRANSIENT_ERRORS, PermanentDatabaseError, bounded, check_permanent
 from .._sql.flow import ALL_TOPICS, FlowQueries, flow_queries
 from .._values.text import exception_summary
+from .claim_window import OPEN, TopicList, Turns
+from .groups import GROUPS_PER_CLAIM, GroupCursor
 from .leases import Leases
 from .options import ConsumerOptions
 from .rows import ClaimedRow, epoch_seconds
@@ -52,7 +59,11 @@ TOKENS_SOON = 0.25
 # a limited topic that had nothing to claim: asked again after a wake-up, or after this
 # long (a busy consumer is not advertised as idle, so no notification comes for it)
 EMPTY_RECHECK = 0.25
-_COLUMNS = 12  # the claim's columns; `held` and `retry_in` follow
+# ... or later, when asking the topics held back again takes more than this share of
+# the time (hundreds of limited topics at their max_running)
+_RECHECK_SHARE = 0.03
+_MEASURED = 32  # what asking a topic takes is read from claims asking at least this many
+_COLUMNS = 12  # the claim's columns; `held`, `retry_in` and `bytes` follow
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +118,10 @@ class Flow:
         # claimed again after a wake-up or `TOKENS_SOON` seconds
         self._open_quiet: tuple[int, float] | None = None
         self._open_found = 0  # rows the last claim of the open topics took
+        self._turns = Turns()
+        self._limited: tuple[int, list[str]] = (-1, [])  # (version, the limited topics)
+        self._asking = 0.0  # what asking a limited topic took, when a claim took nothing
+        self._listed = TopicList()  # every topic's consumer: the open topics with events
         self._stale = anyio.Event()
 
     # -- reading the controls ----------------------------------------------------------
@@ -219,7 +234,10 @@ class Flow:
     def limited(self) -> list[str]:
         if self.paused_all:
             return []
-        return sorted(t for t, c in self._controls.items() if c.limited and self._scope(t))
+        if self._limited[0] != self.version:  # sorted once per change, not every claim
+            found = sorted(t for t, c in self._controls.items() if c.limited and self._scope(t))
+            self._limited = (self.version, found)
+        return self._limited[1]
 
     def due(self, now: float) -> list[str]:
         """Limited topics worth asking now."""
@@ -286,6 +304,7 @@ class Flow:
         """The open topics were claimed: ``rows`` came."""
         self._open_quiet = None
         self._open_found = rows
+        self._turns.served(OPEN)
 
     def quiet_topics(self) -> list[str] | None:
         """Topics whose due rows should cut an idle wait short: the open ones and the
@@ -314,22 +333,46 @@ class Flow:
         return [t for t in self._topics if not ((c := self._controls.get(t)) and c.paused)]
 
     # -- claiming limited topics ---------------------------------------------------------
+    def shares(self, want: int, limited: list[str], open_topics: bool) -> dict[str, int]:
+        """Rows to ask of each limited topic and of the open ones (`OPEN`), ``want`` in
+        all, in the order to serve them (`Turns`)."""
+        return self._turns.split(want, limited, open_topics)
+
     async def claim(
-        self, conn: asyncpg.Connection, topics: list[str], share: int
-    ) -> list[ClaimedRow]:
-        """Claim up to ``share`` rows of each of ``topics`` (heads only)."""
+        self,
+        conn: asyncpg.Connection,
+        shares: dict[str, int],
+        claimed: list[ClaimedRow],
+        groups: GroupCursor,
+    ) -> tuple[list[ClaimedRow], int]:
+        """Claim up to ``shares[topic]`` rows of each topic (heads only), in that order,
+        with at most `max_claim_bytes` of stored payloads in all, the rows ``claimed``
+        already included; return them and their bytes."""
         o = self._o
+        topics = list(shares)
+        started = time.monotonic()
         records = await conn.fetch(
-            self._fq.claim_limited,
+            self._fq.claim_limited_in_turn,
             o.worker_id,
             o.lease_timeout,
             topics,
-            [share] * len(topics),
+            list(shares.values()),
             o.max_claim_bytes,
+            [r.id for r in claimed],
+            groups.value,
+            GROUPS_PER_CLAIM,
             timeout=o.statement_timeout,
         )
         now = time.monotonic()
         rows: list[ClaimedRow] = []
+        size = 0
+        if len(topics) >= _MEASURED and all(r[0] is None for r in records):
+            self._asking = (now - started) / len(topics)  # asked, nothing given
+        # topics held back are asked again after their recheck, or once asking all the
+        # limited topics again takes at most `_RECHECK_SHARE` of the time (but within
+        # `REFRESH`); together (one jitter for all): in one claim, not one each
+        later = min(self._asking * len(self.limited()) / _RECHECK_SHARE, REFRESH)
+        jitter = random.uniform(0.8, 1.2)
         for topic in topics:
             self._held.pop(topic, None)
             self._finished(topic)  # forget the rows that finished
@@ -339,23 +382,51 @@ class Flow:
                 # as the open claim's statement reads them (`ClaimedRow`)
                 values[7] = epoch_seconds(values[7])
                 values[8] = epoch_seconds(values[8])
+                values.append(r["grp"])
+                values.append(r["redelivered"])
                 row = ClaimedRow.from_record(values)
                 rows.append(row)
+                size += r["bytes"]
+                self._turns.served(row.topic)
                 c = self._controls.get(row.topic)
                 if c is not None and c.max_running is not None:
                     self._mine.setdefault(row.topic, {})[row.id] = row
                 continue
             why, retry_in = r["held"], r["retry_in"]
+            self._turns.served(r[1])
             if why == "rate":
                 until = now + max(float(retry_in or 0.0), 0.001)
             elif why == "running":
-                until = now + RUNNING_RECHECK * random.uniform(0.8, 1.2)
+                until = now + max(RUNNING_RECHECK, later) * jitter
             elif why == "empty":
-                until = now + EMPTY_RECHECK
+                until = now + max(EMPTY_RECHECK, later)
             else:  # 'open' or 'paused': our view is stale
                 until = now + REFRESH
                 self._stale.set()
             self._held[r[1]] = _Held(why, until, self._wakes())
+        # a topic not held gave all it was asked, or the byte cap cut it: it may have more
         self.more = any(t not in self._held for t in topics)
+        groups.served([r.group for r in rows])
         self.slot_wait = self.waiting_for_slot()
-        return rows
+        return rows, size
+
+    # -- the open topics of a consumer of every topic --------------------------------------
+    @property
+    def lists_topics(self) -> bool:
+        """Whether the open claim of this consumer of every topic names its topics
+        (`TopicList`): some topics are held back."""
+        return self._topics is None and bool(self._controls) and not self.paused_all
+
+    async def listed(self, conn: asyncpg.Connection, now: float) -> list[str]:
+        """The open topics with claimable events, looked up again when stale."""
+        listed = self._listed
+        if listed.topics is None or listed.stale(now, self.version):
+            started = time.monotonic()
+            found = await conn.fetchval(self._fq.open_topics, timeout=self._o.statement_timeout)
+            listed.found(list(found), self.version, started, time.monotonic())
+            return list(found)
+        return listed.topics
+
+    def forget_topics(self) -> None:
+        """Look the open topics up again at the next claim (after an idle wait)."""
+        self._listed.forget()

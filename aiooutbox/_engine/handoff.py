@@ -11,23 +11,35 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Sequence
 from typing import Generic, TypeVar
 
 from .rows import ClaimedRow
 
-__all__ = ["Handoff", "Run", "runs_of"]
+__all__ = ["Handoff", "Run", "Ticket", "Unit", "runs_of"]
 
 T = TypeVar("T")
 
-# a unit of work: an unordered row alone, or an ordered key's run (its head first)
-Run = ClaimedRow | list[ClaimedRow]
+
+class Ticket:
+    """A batch handler's topic in the queue: the worker that takes it makes a batch of
+    the events of that topic waiting (`_engine/batches.py`). Only a consumer with batch
+    handlers queues one."""
+
+    __slots__ = ()
 
 
-def runs_of(rows: list[ClaimedRow]) -> list[Run]:
+# what a claim's rows become: an unordered row alone, or an ordered key's run (its head
+# first); a unit of work is one of these or a batch topic's ticket
+Unit = ClaimedRow | list[ClaimedRow]
+Run = Unit | Ticket
+
+
+def runs_of(rows: list[ClaimedRow]) -> list[Unit]:
     """Claimed rows as units of work: an unordered row as itself (no list per event: a
     drain hands out tens of thousands a second), an ordered key's head followed by the
     waiting events claimed behind it, in id order, as a list."""
-    runs: list[Run] = []
+    runs: list[Unit] = []
     keyed: dict[str, list[ClaimedRow]] | None = None
     for row in rows:
         if (key := row.ordering_key) is None:
@@ -60,13 +72,13 @@ class Handoff(Generic[T]):
         self._waking = False  # a woken worker has not taken its item yet
         self._closed = False
 
-    def put_all(self, items: list[T]) -> None:
+    def put_all(self, items: Sequence[T]) -> None:
         """Queue ``items`` in order (a claim's runs)."""
         self._items.extend(items)
         if not self._waking:
             self._wake_one()
 
-    def put_first_all(self, items: list[T]) -> None:
+    def put_first_all(self, items: Sequence[T]) -> None:
         """Queue ``items``, in order, ahead of every item waiting."""
         self._items.extendleft(reversed(items))
         if not self._waking:

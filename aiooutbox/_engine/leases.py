@@ -58,6 +58,14 @@ class Leases:
         if held is not None and held[0] is row:
             del self._held[row.id]
 
+    def finish_all(self, rows: Iterable[ClaimedRow]) -> None:
+        """`finish` of each of ``rows`` (a batch handler's events), in one call."""
+        held = self._held
+        for row in rows:
+            found = held.get(row.id)
+            if found is not None and found[0] is row:
+                del held[row.id]
+
     def holds(self, row: ClaimedRow) -> bool:
         """True while this claim is the one held for its row (lost or not)."""
         held = self._held.get(row.id)
@@ -69,6 +77,16 @@ class Leases:
         row was claimed again since (a lease that lapsed while the loop was blocked)."""
         held = self._held.get(row.id)
         return held is not None and held[0] is row and held[1] > until
+
+    def unstartable(self, rows: Iterable[ClaimedRow], until: float) -> list[ClaimedRow]:
+        """Those of ``rows`` that may not start (see `startable`); usually none. A batch
+        handler's events are checked in one call."""
+        held = self._held
+        return [
+            row
+            for row in rows
+            if (found := held.get(row.id)) is None or found[0] is not row or found[1] <= until
+        ]
 
     def due(self, until: float) -> list[ClaimedRow]:
         """The claims whose lease ends at or before ``until`` (lost ones excluded)."""

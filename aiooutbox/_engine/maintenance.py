@@ -15,6 +15,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 
 import anyio
 import asyncpg
@@ -24,6 +25,7 @@ from .._sql.statements import Queries
 from .._values.text import exception_summary
 from .leases import Leases
 from .registry import Registry
+from .rollups import Tallies
 
 __all__ = ["Maintenance"]
 
@@ -41,6 +43,9 @@ _PURGE_ROUND = 0.25
 _PURGE_DUTY_WAIT = 9.0
 # a round that caught up (a batch came back partial) waits this long
 _PURGE_EVERY = 60.0
+# lease recovery's mark stays this far behind now(): leases written by a claim or a
+# heartbeat that has not committed yet lie after it (they are now() + lease_timeout)
+_LEASE_MARGIN = 5.0  # seconds
 # the sweep's share of the time: it waits at least this many times its last duration
 _SWEEP_DUTY = 50
 
@@ -59,6 +64,7 @@ class Maintenance:
         statement_timeout: float,
         orphan_sweep_interval: float,
         registry: Registry | None = None,
+        tallies: Tallies | None = None,
     ) -> None:
         self._pool = pool
         self._q = queries
@@ -70,7 +76,10 @@ class Maintenance:
         self._timeout = statement_timeout
         self._sweep_interval = orphan_sweep_interval
         self._registry = registry
+        self._tallies = tallies
         self.sweeps = 0  # orphan sweeps completed
+        # no row being processed has a lease before it (see `_recover`)
+        self._lease_mark = datetime.min.replace(tzinfo=UTC)
 
     async def heartbeat_loop(self) -> None:
         """Extend the leases of handlers that run longer than a sixth of the lease;
@@ -235,16 +244,33 @@ class Maintenance:
         return seconds
 
     async def _recover(self) -> int:
+        """Recover expired leases from the lease mark: the lease of the first row being
+        processed that this consumer's last look found, never later than
+        `_LEASE_MARGIN` before now (a claim or heartbeat still running writes leases
+        later than that), so no run walks the lease index's dead entries from its start
+        again (docs/internals.md, "The hot path"). The first run starts at the start."""
         total = 0
         while True:
+            mark = await bounded(
+                self._pool,
+                "fetchval",
+                self._q.lease_mark,
+                self._lease_mark,
+                _LEASE_MARGIN,
+                timeout=self._timeout,
+            )
             rows = await bounded(
                 self._pool,
                 "fetch",
-                self._q.recover_expired,
+                self._q.recover_after,
                 _RECOVER_BATCH,
+                mark,
                 timeout=self._timeout,
             )
+            self._lease_mark = mark
             for event_id, topic, status, worker in rows:
+                if self._tallies is not None and status in ("retry", "dead"):
+                    self._tallies.failed(topic, status == "dead")  # an attempt cut short
                 logger.warning(
                     "event %d (%s): lease of %s expired; now %s",
                     event_id,

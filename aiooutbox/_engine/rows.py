@@ -103,6 +103,9 @@ class ClaimedRow(NamedTuple):
     message_id: str
     ordering_key: str | None = None
     is_head: bool = True  # False: a waiting event claimed behind its key's head
+    group: str | None = None  # its group (fair claims); None: ungrouped
+    # claimed before, as the claim from low marks says (None: `claimed_before` decides)
+    redelivered: bool | None = None
 
     @classmethod
     def from_record(cls, record: Iterable[Any]) -> ClaimedRow:
@@ -117,9 +120,13 @@ class ClaimedRow(NamedTuple):
 
     def claimed_before(self) -> bool:
         """True if this row may have been claimed before (and its lease recovered): its
-        attempts say so, or, for a run member whose attempt recovery gave back, an
-        ``available_at`` moved past its creation (an ordered event's promotion never
-        moves it). What `Event.redelivered` reports."""
+        attempts say so, or, for a run member whose attempt recovery gave back, the error
+        recovery left (the claims' ``redelivered`` column, migration 0019). Without that
+        column (a row built by hand): an ``available_at`` moved past its creation, which
+        since 0019 is true of every ordered event, so it errs towards True. What
+        `Event.redelivered` reports."""
+        if self.redelivered is not None:
+            return self.redelivered
         return self.attempts > 1 or (
             self.ordering_key is not None and self.available_at > self.created_at
         )

@@ -11,11 +11,10 @@ by its deadline even while a background flush is retrying.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
-from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator
 
 import anyio
 import asyncpg
@@ -27,9 +26,12 @@ from .._sql.db import (
     is_data_error,
     pool_is_closed,
 )
-from .._sql.statements import Queries, id_array
+from .._sql.statements import Queries
 from .._values.text import describe_exception, exception_message, exception_summary
-from .rows import Outcome, Settlement
+from .rollups import Tallies
+from .rows import ClaimedRow, Outcome, Settlement
+from .settlements import Pending as _Batch
+from .settlements import done_statement, failed_statement, outcome_statements
 
 __all__ = ["Settler"]
 
@@ -41,20 +43,6 @@ _PLACEHOLDER = "(the error text of this attempt could not be stored: {})"
 # the connection is kept from one flush to the next, and given back once no outcome
 # came for this long (a drain flushes every few milliseconds)
 _HOLD_IDLE = _PROMOTE_RETRY
-
-
-@dataclass
-class _Batch:
-    done: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
-    failed: dict[int, list[Settlement]] = field(default_factory=lambda: defaultdict(list))
-    size: int = 0
-
-    def __bool__(self) -> bool:
-        return self.size > 0
-
-    def ids(self) -> list[int]:
-        ids = [i for group in self.done.values() for i in group]
-        return ids + [s.id for group in self.failed.values() for s in group]
 
 
 class Settler:
@@ -72,8 +60,11 @@ class Settler:
         on_promoted: Callable[[], None] = lambda: None,
         on_retry_due: Callable[[float], None] = lambda _: None,
         on_written: Callable[[], None] = lambda: None,
+        tallies: Tallies | None = None,
     ) -> None:
         self._pool = pool
+        # per-topic counts for the dashboard's charts (`Rollups` writes them)
+        self.tallies = tallies if tallies is not None else Tallies()
         # kept between flushes while outcomes keep coming (see `HeldConnection`)
         self._conn = HeldConnection(pool, statement_timeout)
         self._q = queries
@@ -88,6 +79,7 @@ class Settler:
         self._deadline: float | None = None  # set by close(): every flush gives up then
         self._closed = False  # close() ran its final flush: run() flushes no more
         self._writing = _Batch()  # the batch a flush is writing now
+        self._ended: list[_Batch] | None = None  # writes ended during a claim (`claiming`)
         self._on_promoted = on_promoted
         self._on_retry_due = on_retry_due
         self._on_written = on_written  # a flush wrote its outcomes (flow control's slots)
@@ -104,11 +96,26 @@ class Settler:
         return self._closed
 
     # -- recording (synchronous, never fails) --------------------------------------
-    def done(self, event_id: int, attempts: int) -> None:
-        """`record` of a done outcome, without building a `Settlement` (the hot path)."""
+    def done(self, event_id: int, attempts: int, topic: str | None = None) -> None:
+        """`record` of a done outcome, without building a `Settlement` (the hot path);
+        ``topic`` is counted for the dashboard's charts."""
+        if topic is not None:
+            self.tallies.done[topic] += 1
         self._pending.done[attempts].append(event_id)
         self._pending.size += 1
         if self._pending.size == 1 or self._pending.size >= self._flush_size:
+            self._has_work.set()
+
+    def done_all(self, rows: Iterable[ClaimedRow]) -> None:
+        """`done` of each of ``rows`` (a batch handler's events, of one topic) in one call."""
+        done, count, topic = self._pending.done, 0, None
+        for count, row in enumerate(rows, 1):  # noqa: B007 - the count is used after
+            done[row.attempts].append(row.id)
+            topic = row.topic
+        if topic is not None:
+            self.tallies.done[topic] += count
+        self._pending.size += count
+        if count and (self._pending.size == count or self._pending.size >= self._flush_size):
             self._has_work.set()
 
     def record(self, settlement: Settlement) -> None:
@@ -134,6 +141,29 @@ class Settler:
         """Rows whose outcome is recorded here but not yet written (still processing)."""
         return self._pending.ids() + self._writing.ids()
 
+    @contextlib.contextmanager
+    def claiming(self) -> Iterator[None]:
+        """Around a claim, from before it is sent until its rows are handed out: keep
+        each batch whose write ends meanwhile, for `drop_stale`."""
+        self._ended = []
+        try:
+            yield
+        finally:
+            self._ended = None
+
+    def stale_possible(self) -> bool:
+        """Outcomes are waiting, being written, or were written during the claim."""
+        return bool(self._pending.size or self._writing.size or self._ended)
+
+    def stale_claims(self, rows: list[ClaimedRow]) -> list[ClaimedRow]:
+        """`drop_stale` for the claimed ``rows`` that may have been claimed before;
+        returns those that must not start (usually none, and at once)."""
+        if not self.stale_possible():
+            return []
+        again = [(r.id, r.attempts) for r in rows if r.claimed_before()]
+        unsure = self.drop_stale(again) if again else set()
+        return [r for r in rows if r.id in unsure] if unsure else []
+
     def drop_stale(self, claimed: list[tuple[int, int]]) -> set[int]:
         """Forget the outcomes recorded for rows this worker has just claimed again at
         the same attempt (``claimed``: id and attempts of each claimed row).
@@ -143,29 +173,20 @@ class Settler:
         back with its attempt given back, so the settlement's fence (worker, attempt)
         would match the new claim and settle a row that is about to run. Unwritten
         ones are dropped (written before the new claim, they would have been fenced
-        off). Returns the claimed ids whose stale outcome is being written right now:
-        whether it lands on the new claim is unknown, so those must not start. An
+        off). Returns the claimed ids whose stale outcome is being written now, or
+        whose write ended while the claim was under way (`claiming`: a settle's UPDATE
+        waits for the claim's row locks, and its reply may be read before the claim's):
+        whether it landed on the new claim is unknown, so those must not start. An
         outcome of another attempt is no such case (a retry just written, its row due
         at once and claimed again: the fence tells the two apart).
         """
-        if not (self._pending or self._writing):
+        if not self.stale_possible():
             return set()
         ours = set(claimed)
-        pending = self._pending_at(self._pending)
+        pending = self._pending.by_attempt()
         stale = {i for i, a in ours if i in pending.get(a, ())}
         if stale:
-            kept = _Batch()
-            for attempts, ids in self._pending.done.items():
-                for i in ids:
-                    if i not in stale:
-                        kept.done[attempts].append(i)
-                        kept.size += 1
-            for attempts, failures in self._pending.failed.items():
-                for f in failures:
-                    if f.id not in stale:
-                        kept.failed[attempts].append(f)
-                        kept.size += 1
-            self._pending = kept
+            self._pending = self._pending.without(stale)
             self.dropped += len(stale)
             logger.warning(
                 "%d outcome(s) of claims whose lease lapsed not written: this consumer "
@@ -174,20 +195,12 @@ class Settler:
                 ", ".join(map(str, sorted(stale)[:_SHOWN_IDS])),
                 extra={"event_ids": sorted(stale)[:1000]},
             )
-        if not self._writing:
-            return set()
-        writing = self._pending_at(self._writing)
-        return {i for i, a in ours if i in writing.get(a, ())}
-
-    @staticmethod
-    def _pending_at(batch: _Batch) -> dict[int, set[int]]:
-        """The batch's row ids by the attempt their outcome is fenced on."""
-        by: dict[int, set[int]] = defaultdict(set)
-        for attempts, ids in batch.done.items():
-            by[attempts].update(ids)
-        for attempts, failures in batch.failed.items():
-            by[attempts].update(f.id for f in failures)
-        return by
+        unsure: set[int] = set()
+        for batch in (self._writing, *(self._ended or ())):
+            if batch:
+                at = batch.by_attempt()
+                unsure.update(i for i, a in ours if i in at.get(a, ()))
+        return unsure
 
     async def wait_flushed(self) -> None:
         """Wait until the next flush completes (used for back-pressure)."""
@@ -266,7 +279,11 @@ class Settler:
             try:
                 # a write under way finishes even if we are cancelled: its rows are settled
                 with anyio.CancelScope(shield=True):
-                    await self._write(batch)
+                    try:
+                        await self._write(batch)
+                    finally:  # it may have landed on a claim under way (`drop_stale`)
+                        if self._ended is not None:
+                            self._ended.append(batch)
             except TRANSIENT_ERRORS as exc:
                 self._writing = _Batch()
                 check_permanent(exc, "writing outcomes")
@@ -316,37 +333,12 @@ class Settler:
         self._pending.size += batch.size
 
     def _statements(self, batch: _Batch) -> list[tuple[str, tuple[object, ...], int]]:
-        statements: list[tuple[str, tuple[object, ...], int]] = [
-            self._done_statement(attempts, ids) for attempts, ids in batch.done.items()
-        ]
-        statements += [
-            self._failed_statement(attempts, failures)
-            for attempts, failures in batch.failed.items()
-        ]
+        statements = outcome_statements(self._q, self._worker_id, batch)
         if self._promote_later:
             # keys whose promotion a producer's lock deferred earlier: try them again
             self._promoting = set(self._promote_later)
             statements.append((self._q.promote, (sorted(self._promoting),), -1))
         return statements
-
-    def _done_statement(self, attempts: int, ids: list[int]) -> tuple[str, tuple[object, ...], int]:
-        return (self._q.settle_done_text, (id_array(ids), self._worker_id, attempts), len(ids))
-
-    def _failed_statement(
-        self, attempts: int, failures: list[Settlement]
-    ) -> tuple[str, tuple[object, ...], int]:
-        return (
-            self._q.settle_failed,
-            (
-                [f.id for f in failures],
-                [f.delay for f in failures],
-                [f.error for f in failures],
-                [f.code for f in failures],
-                self._worker_id,
-                attempts,
-            ),
-            len(failures),
-        )
 
     async def _write(self, batch: _Batch) -> None:
         statements = self._statements(batch)
@@ -410,7 +402,7 @@ class Settler:
             batch.size,
         )
         for attempts, ids in batch.done.items():
-            statement = self._done_statement(attempts, ids)
+            statement = done_statement(self._q, self._worker_id, attempts, ids)
             self._absorb((await self._execute(conn, [statement]))[0], len(ids))
         for attempts, failures in batch.failed.items():
             await self._write_failures(conn, attempts, failures)
@@ -419,7 +411,11 @@ class Settler:
         self, conn: asyncpg.Connection, attempts: int, failures: list[Settlement]
     ) -> None:
         try:
-            result = (await self._execute(conn, [self._failed_statement(attempts, failures)]))[0]
+            result = (
+                await self._execute(
+                    conn, [failed_statement(self._q, self._worker_id, attempts, failures)]
+                )
+            )[0]
         except asyncpg.PostgresError as exc:
             if not is_data_error(exc):
                 raise

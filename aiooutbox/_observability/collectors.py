@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from .._engine.watchdog import MvccReport
 
 __all__ = [
+    "BATCH_BUCKETS",
     "CLAIM_BUCKETS",
     "ConsumerGauges",
     "EventCollector",
@@ -42,6 +43,8 @@ __all__ = [
     "QueueCollector",
 ]
 
+#: events per call of a batch handler
+BATCH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 100000)
 CLAIM_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 # the watchdog's holder kinds as label values; a fixed set, so the label stays bounded
@@ -105,11 +108,12 @@ class EventCounts:
     handler: dict[str, PlainHistogram] = field(default_factory=dict)
     claim: PlainHistogram = field(default_factory=lambda: PlainHistogram(CLAIM_BUCKETS))
     claimed: int = 0
+    batch_sizes: dict[str, PlainHistogram] = field(default_factory=dict)
 
     @property
     def used(self) -> bool:
         """Whether anything was counted here."""
-        return bool(self.outcomes or self.handler or self.claim.count)
+        return bool(self.outcomes or self.handler or self.claim.count or self.batch_sizes)
 
 
 class EventCollector(Collector):
@@ -151,6 +155,11 @@ class EventCollector(Collector):
         claims = CounterMetricFamily(
             "aiooutbox_claims", "Claim statements run by this process.", labels=_labels(named, [])
         )
+        batches = HistogramMetricFamily(
+            "aiooutbox_batch_size",
+            "Events per call of a batch handler.",
+            labels=_labels(named, ["topic"]),
+        )
         if values:
             for name, m in sorted(every.items(), key=lambda item: item[0] or ""):
                 for (topic, outcome), n in sorted(m.outcomes.items()):
@@ -160,7 +169,9 @@ class EventCollector(Collector):
                 claim.add_metric(_values(named, name, []), m.claim.buckets(), m.claim.sum)
                 claimed.add_metric(_values(named, name, []), m.claimed)
                 claims.add_metric(_values(named, name, []), m.claim.count)
-        return [events, handler, claim, claimed, claims]
+                for topic, h in sorted(m.batch_sizes.items()):
+                    batches.add_metric(_values(named, name, [topic]), h.buckets(), h.sum)
+        return [events, handler, claim, claimed, claims, batches]
 
 
 #: the consumers an `OutboxMetrics` observes, each with the name of its database
@@ -321,7 +332,8 @@ class QueueCollector(Collector):
         named = _named(queues)
         depth = GaugeMetricFamily(
             "aiooutbox_queue_depth",
-            "Unfinished events by topic and status (pending, retry, processing, waiting).",
+            "Unfinished events by topic and status (pending: due now; scheduled: pending,"
+            " not due yet; retry, processing, waiting).",
             labels=_labels(named, ["topic", "status"]),
         )
         lag = GaugeMetricFamily(
@@ -344,6 +356,12 @@ class QueueCollector(Collector):
             "The limit on events of the topic claimed at once, across all consumers.",
             labels=_labels(named, ["topic"]),
         )
+        grouped = GaugeMetricFamily(
+            "aiooutbox_group_events",
+            "Events of the busiest groups (state running: claimed now) and of the most waiting"
+            " (state due), the top 10 of each over every topic.",
+            labels=_labels(named, ["topic", "group", "state"]),
+        )
         rate = GaugeMetricFamily(
             "aiooutbox_topic_rate_limit",
             "The limit on claims of the topic, in events per second.",
@@ -358,6 +376,8 @@ class QueueCollector(Collector):
             for topic, seconds in sorted(snapshot.lag.items()):
                 lag.add_metric(_values(named, name, [topic]), seconds)
             updated.add_metric(_values(named, name, []), snapshot.at)
+            for (topic, group, state), events in sorted(snapshot.groups.items()):
+                grouped.add_metric(_values(named, name, [topic, group, state]), events)
             for topic, (is_paused, most, per_second) in sorted(snapshot.controls.items()):
                 if is_paused:
                     paused.add_metric(_values(named, name, [topic]), 1.0)
@@ -371,3 +391,4 @@ class QueueCollector(Collector):
         yield paused
         yield max_running
         yield rate
+        yield grouped

@@ -18,6 +18,7 @@ from anyio.abc import TaskStatus
 
 from .._sql.db import TRANSIENT_ERRORS, bounded
 from .._sql.flow import flow_queries
+from .._sql.groups import TOP_GROUPS, top_groups
 from .._sql.statements import DEFAULT_SCHEMA, DEFAULT_TABLE, queries
 from .._values.text import exception_summary
 from ..errors import InvalidArgument
@@ -35,10 +36,20 @@ class QueueSnapshot:
     (topic -> (paused, max_running, rate per second); ``"*"``: every topic), and its
     wall time."""
 
-    __slots__ = ("at", "controls", "depth", "lag")
+    __slots__ = ("at", "controls", "depth", "groups", "lag")
 
-    def __init__(self, rows: list[Any], at: float, controls: list[Any] | None = None) -> None:
+    def __init__(
+        self,
+        rows: list[Any],
+        at: float,
+        controls: list[Any] | None = None,
+        groups: list[Any] | None = None,
+    ) -> None:
         self.at = at
+        # (topic, group, 'due' or 'running') -> events, for the top groups only
+        self.groups: dict[tuple[str, str, str], float] = {
+            (r[0], r[1], r[2]): float(r[3]) for r in groups or ()
+        }
         self.controls: dict[str, tuple[bool, int | None, float | None]] = {
             r["topic"] or "*": (r["paused"], r["max_running"], r["rate"]) for r in controls or ()
         }
@@ -75,6 +86,7 @@ class QueueGauges:
         self._pool = pool
         self._sql = queries(schema, table).queue_gauges
         self._controls_sql = flow_queries(schema, table).all_controls
+        self._groups_sql = top_groups(queries(schema, table).qualified)
         self.interval = float(interval)
         self._timeout = timeout
         self._snapshot: QueueSnapshot | None = None
@@ -95,8 +107,14 @@ class QueueGauges:
             controls = await bounded(self._pool, "fetch", self._controls_sql, timeout=self._timeout)
         except asyncpg.UndefinedTableError:  # a schema from before flow control
             controls = []
+        try:
+            groups = await bounded(
+                self._pool, "fetch", self._groups_sql, TOP_GROUPS, timeout=self._timeout
+            )
+        except asyncpg.UndefinedColumnError:  # a schema from before groups
+            groups = []
         took = time.monotonic() - started
-        self._snapshot = QueueSnapshot(list(rows), time.time(), list(controls))
+        self._snapshot = QueueSnapshot(list(rows), time.time(), list(controls), list(groups))
         self._fresh_until = time.monotonic() + 3 * max(self.interval, took / _QUEUE_QUERY_SHARE)
         self.refreshes += 1
         return took

@@ -48,10 +48,12 @@ class AdminQueries:
         # topic, status, rows: the unfinished statuses and dead, each through its
         # partial index (the claim's, the lease's: only held rows have a lease, the
         # key's: waiting rows are ordered, the dead one), whatever the size of the history
+        # (a pending row not due yet counts as `scheduled`)
         t = self.qualified
         return (
-            f"SELECT topic, status::text, count(*) FROM {t}"
-            " WHERE status IN ('pending', 'retry') GROUP BY topic, status"
+            "SELECT topic, CASE WHEN status = 'pending' AND available_at > now()"
+            f" THEN 'scheduled' ELSE status::text END, count(*) FROM {t}"
+            " WHERE status IN ('pending', 'retry') GROUP BY 1, 2"
             f" UNION ALL SELECT topic, 'processing', count(*) FROM {t}"
             " WHERE lease_expires_at IS NOT NULL AND status = 'processing' GROUP BY topic"
             f" UNION ALL SELECT topic, 'waiting', count(*) FROM {t}"

@@ -22,7 +22,15 @@ import asyncpg
 from ..errors import SchemaNotReady
 from .statements import Queries, for_paramstyle
 
-__all__ = ["ASYNC_ACCEPTED", "SYNC_ACCEPTED", "async_executor", "sync_executor"]
+__all__ = [
+    "ASYNC_ACCEPTED",
+    "SYNC_ACCEPTED",
+    "async_executor",
+    "async_in_transaction",
+    "sqlstate",
+    "sync_executor",
+    "sync_in_transaction",
+]
 
 Rows = Sequence[Sequence[Any]]
 AsyncExecute = Callable[[Queries, str, Sequence[Any]], Awaitable[Rows]]
@@ -58,7 +66,7 @@ def _unsupported(
     return TypeError(f"cannot {action} a {kind}: pass {accepted}{hint}")
 
 
-def _sqlstate(exc: BaseException) -> str | None:
+def sqlstate(exc: BaseException) -> str | None:
     """The SQLSTATE of a driver error, also when SQLAlchemy or Django wrapped it."""
     seen: set[int] = set()
     todo: list[BaseException | None] = [exc]
@@ -79,7 +87,7 @@ def _sqlstate(exc: BaseException) -> str | None:
 def _translate(exc: Exception, q: Queries) -> None:
     """Raise `SchemaNotReady` (with the fix) if ``exc`` says the outbox table is missing
     or behind this library."""
-    state = _sqlstate(exc)
+    state = sqlstate(exc)
     if state in _SCHEMA_MISSING:
         from ..migrations import schema_behind_message, schema_missing_message
 
@@ -148,7 +156,7 @@ def _sqlalchemy_async_connection(connection: Any) -> AsyncExecute:
         except Exception as exc:
             _translate(exc, q)
             raise
-        rows: Rows = result.fetchall()
+        rows: Rows = result.fetchall() if result.returns_rows else []
         return rows
 
     return execute
@@ -159,7 +167,7 @@ def _psycopg_async(conn: Any) -> AsyncExecute:
         try:
             async with conn.cursor() as cursor:
                 await cursor.execute(for_paramstyle(sql, "format"), params)
-                rows: Rows = await cursor.fetchall()
+                rows: Rows = [] if cursor.description is None else await cursor.fetchall()
         except Exception as exc:
             _translate(exc, q)
             raise
@@ -237,7 +245,8 @@ def _sqlalchemy_connection(connection: Any) -> SyncExecute:
     def execute(q: Queries, sql: str, params: Sequence[Any]) -> Rows:
         statement = for_paramstyle(sql, connection.dialect.paramstyle)
         try:
-            rows: Rows = connection.exec_driver_sql(statement, tuple(params)).fetchall()
+            result = connection.exec_driver_sql(statement, tuple(params))
+            rows: Rows = result.fetchall() if result.returns_rows else []
         except Exception as exc:
             _translate(exc, q)
             raise
@@ -253,7 +262,7 @@ def _dbapi(conn: Any) -> SyncExecute:
         try:
             with conn.cursor() as cursor:
                 cursor.execute(for_paramstyle(sql, "format"), params)
-                rows: Rows = cursor.fetchall()
+                rows: Rows = [] if cursor.description is None else cursor.fetchall()
         except Exception as exc:
             _translate(exc, q)
             raise
@@ -274,3 +283,63 @@ def _check_sqlalchemy_dialect(bind: Any) -> None:
             f"cannot enqueue through SQLAlchemy's {dialect.driver} driver "
             f"(paramstyle {dialect.paramstyle}): use asyncpg, psycopg or psycopg2"
         )
+
+
+# -- inside the caller's transaction? ------------------------------------------------------
+# libpq's PQtransactionStatus, as psycopg and psycopg2 report it: in a transaction block,
+# or in one that failed (its statements fail until the caller rolls back)
+_IN_BLOCK = frozenset({2, 3})
+
+
+async def async_in_transaction(conn: object) -> bool:
+    """Whether a statement on ``conn`` (an async connection `async_executor` took) joins a
+    transaction that commits or rolls back as a whole, rather than committing on its own."""
+    if isinstance(conn, asyncpg.Pool):
+        return False
+    if isinstance(conn, asyncpg.Connection):
+        return bool(conn.is_in_transaction())
+    if _library(conn) == "sqlalchemy":
+        from sqlalchemy.ext.asyncio import AsyncConnection
+
+        connection: Any = conn
+        if not isinstance(conn, AsyncConnection):  # a session: its connection, autobegun
+            connection = await conn.connection()  # type: ignore[attr-defined]
+        sync = connection.sync_connection
+        return sync is not None and _sqlalchemy_in_transaction(sync)
+    return _driver_in_transaction(conn)
+
+
+def sync_in_transaction(conn: object) -> bool:
+    """`async_in_transaction` for a blocking connection `sync_executor` took."""
+    kind = _sync_kind(conn)
+    if kind == "sqlalchemy-session":
+        return _sqlalchemy_in_transaction(conn.connection())  # type: ignore[attr-defined]
+    if kind == "sqlalchemy":
+        return _sqlalchemy_in_transaction(conn)
+    if kind == "django":
+        conn.ensure_connection()  # type: ignore[attr-defined]
+        return _driver_in_transaction(conn.connection)  # type: ignore[attr-defined]
+    return _driver_in_transaction(conn)
+
+
+def _sqlalchemy_in_transaction(connection: Any) -> bool:
+    """A SQLAlchemy ``Connection`` always has a transaction of its own (it begins one on
+    its first statement), but under ``isolation_level="AUTOCOMMIT"`` that one is never
+    sent to the server: ask the driver connection underneath."""
+    proxied = connection.connection  # the pooled DB-API connection (checked out if need be)
+    return _driver_in_transaction(proxied.driver_connection, proxied.dbapi_connection)
+
+
+def _driver_in_transaction(driver: Any, adapter: Any = None) -> bool:
+    """A driver connection: in a transaction block, or not in autocommit mode (the next
+    statement begins one that only the caller's commit ends). ``adapter``: SQLAlchemy's
+    DB-API adapter around an asyncpg connection, which begins that transaction itself."""
+    if isinstance(driver, asyncpg.Connection):
+        if driver.is_in_transaction():
+            return True
+        return adapter is not None and adapter.autocommit is False
+    autocommit = getattr(driver, "autocommit", None)  # psycopg, psycopg2
+    if autocommit is False:
+        return True
+    info = getattr(driver, "info", None)
+    return autocommit is True and int(getattr(info, "transaction_status", 0)) in _IN_BLOCK

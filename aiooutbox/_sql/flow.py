@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from .groups import first_due
+from .marks import redelivered
 from .statements import DEFAULT_SCHEMA, DEFAULT_TABLE, Queries, queries
 
 __all__ = ["ALL_TOPICS", "FLOW_NOTICE", "FlowQueries", "flow_queries"]
@@ -49,18 +51,46 @@ class FlowQueries:
     def controls(self) -> str:
         # the topics held back (paused or limited); '' is every topic
         return (
-            "SELECT topic, paused, max_running, rate IS NOT NULL AS rated"
+            "SELECT topic, paused, max_running, rate IS NOT NULL OR grouped AS rated"
             f" FROM {self.controls_table}"
-            " WHERE paused OR max_running IS NOT NULL OR rate IS NOT NULL"
+            " WHERE paused OR max_running IS NOT NULL OR rate IS NOT NULL OR grouped"
         )
 
     @property
     def claim_limited(self) -> str:
-        # $1 worker, $2 lease seconds, $3 topics, $4 rows wanted of each, $5 byte cap;
-        # the claim's columns, then `held` and `retry_in` (status rows have no id)
+        # $1 worker, $2 lease seconds, $3 topics (served in this order), $4 rows wanted of
+        # each, $5 byte cap (of the whole claim), $6 rows the claim took before (their
+        # bytes count); the claim's columns, then `held` and `retry_in` (status rows
+        # have no id) and `bytes` (a claimed row's stored payload size), then `grp` and
+        # `redelivered` (`ClaimedRow`)
         return (
-            f'SELECT * FROM "{self.outbox.schema}"."{self.outbox.table}_claim_limited"'
-            "($1, $2::float8, $3::text[], $4::int[], $5::bigint)"
+            f"SELECT c.*, {redelivered(self.outbox.schema, self.outbox.table)} AS redelivered"
+            f' FROM "{self.outbox.schema}"."{self.outbox.table}_claim_limited_v3"'
+            "($1, $2::float8, $3::text[], $4::int[], $5::bigint, $6::bigint[]) AS c"
+        )
+
+    @property
+    def claim_limited_in_turn(self) -> str:
+        # `claim_limited`, resuming among groups after $7, the group cursor
+        # (`GroupCursor`), visiting at most $8 groups (0018)
+        return self.claim_limited.replace("$6::bigint[])", "$6::bigint[], $7::text, $8::int)")
+
+    @property
+    def open_topics(self) -> str:
+        # every topic with claimable rows (a skip scan) but the held ones (paused or
+        # limited, as the claim reads them), for a consumer of every topic; the held
+        # topics are hashed once, not scanned for each topic found
+        q = self.outbox.qualified
+        held = f'"{self.outbox.schema}"."{self.outbox.table}_flow_held"()'
+        return (
+            "SELECT coalesce(array_agg(t.topic), '{}') FROM (WITH RECURSIVE t(topic) AS ("
+            f" (SELECT topic FROM {q} WHERE status IN ('pending', 'retry')"
+            "  ORDER BY topic LIMIT 1)"
+            " UNION ALL SELECT (SELECT c.topic FROM"
+            f"  {q} AS c WHERE c.status IN ('pending', 'retry')"
+            "  AND c.topic > t.topic ORDER BY c.topic LIMIT 1) FROM t WHERE t.topic IS NOT NULL)"
+            " SELECT t.topic FROM t WHERE t.topic IS NOT NULL) AS t"
+            f" WHERE t.topic NOT IN (SELECT unnest({held}))"
         )
 
     @property
@@ -77,10 +107,8 @@ class FlowQueries:
             "  AND c.topic > t.topic ORDER BY c.topic LIMIT 1) FROM t WHERE t.topic IS NOT NULL)"
             " SELECT extract(epoch FROM (min(greatest(n.at, now())) - now()))::float8"
             " FROM t CROSS JOIN LATERAL ("
-            f" SELECT c.available_at AS at FROM {q} AS c"
-            "  WHERE c.status IN ('pending', 'retry') AND c.topic = t.topic"
-            "  AND c.available_at < 'infinity' ORDER BY c.available_at LIMIT 1) AS n"
-            " WHERE t.topic IS NOT NULL AND NOT (t.topic = ANY ($1::text[]))) AS due,"
+            f" {first_due(q)}) AS n"
+            " WHERE t.topic IS NOT NULL AND t.topic NOT IN (SELECT unnest($1::text[]))) AS due,"
             f" ({self.outbox.open_writers}) > 0 AS writers"
         )
 
@@ -133,7 +161,8 @@ class FlowQueries:
 
     @property
     def delete_control(self) -> str:
-        return f"DELETE FROM {self.controls_table} WHERE topic = $1"
+        # a topic with group limits keeps its row (its claims lock it: 0018)
+        return f"DELETE FROM {self.controls_table} WHERE topic = $1 AND NOT grouped"
 
     @property
     def log_change(self) -> str:

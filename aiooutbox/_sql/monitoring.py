@@ -24,12 +24,14 @@ class MonitoringStatements:
         # key index; the history of done rows costs nothing. Dead rows have no index and
         # are not counted here (alert on events_total{outcome="dead"}). Rows a raw SQL
         # producer scheduled at -infinity are due but have no age.
+        # A pending row not due yet counts as `scheduled`.
         return (
-            "SELECT topic, status::text, count(*)::bigint,"
+            "SELECT topic, CASE WHEN status = 'pending' AND available_at > now()"
+            " THEN 'scheduled' ELSE status::text END, count(*)::bigint,"
             " extract(epoch FROM (now() - min(available_at)"
             "  FILTER (WHERE available_at <= now() AND available_at > '-infinity')))::float8"
             f" FROM {self.qualified} WHERE status IN ('pending', 'retry')"
-            " GROUP BY topic, status"
+            " GROUP BY 1, 2"
             " UNION ALL"
             " SELECT topic, 'processing', count(*)::bigint, NULL::float8"
             f" FROM {self.qualified}"

@@ -32,13 +32,15 @@ async def hot_path_plans(
     analyze: bool = False,
     generic: bool = True,
 ) -> dict[str, str]:
-    """Plans of ``claim``, ``claim_after``, ``settle_done`` and ``settle_failed``.
+    """Plans of ``claim``, ``claim_after``, ``claim_marked``, ``recover_after``,
+    ``settle_done`` and ``settle_failed``.
 
     The statements run in a transaction that is rolled back, so nothing changes.
     ``generic`` forces generic plans (what a consumer's connection settles on after a
     few calls); ``generic=False`` leaves the connection's plan cache as it is.
     """
     epoch = datetime(1970, 1, 1, tzinfo=UTC)
+    none: list[None] = [None] * len(topics)  # no marks yet: from the start
     return await nested_plans(
         conn,
         q,
@@ -49,6 +51,15 @@ async def hot_path_plans(
                 q.claim_after,
                 (_WORKER, 30.0, topics, 100, _BYTES, 100, 100, epoch, 0),
             ),
+            (
+                "claim_marked",
+                q.claim_marked,
+                (
+                    *(_WORKER, 30.0, topics, 100, _BYTES, 100, 100, none, none, [], 0.05),
+                    *(None, 32, none, none, [0] * len(topics), 512),
+                ),
+            ),
+            ("recover_after", q.recover_after, (100, epoch)),
             ("settle_done", q.settle_done_text, ("{0}", _WORKER, 1)),
             ("settle_failed", q.settle_failed, ([0], [0.0], ["plans"], ["retry"], _WORKER, 1)),
         ],

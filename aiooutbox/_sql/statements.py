@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..errors import InvalidArgument
+from .groups import first_due
+from .marks import CLAIMED as _CLAIMED
+from .marks import MarkStatements, redelivered
 from .monitoring import MonitoringStatements
 
 __all__ = [
@@ -107,21 +110,8 @@ def queries(schema: str = DEFAULT_SCHEMA, table: str = DEFAULT_TABLE) -> Queries
     )
 
 
-# The claim's columns as `ClaimedRow` reads them. ``created_at`` and ``available_at``
-# come as epoch seconds: asyncpg decodes a float8 at a tenth of a timestamptz's cost
-# (measured: 1.3 µs a row for the timestamptz, most of a claimed row's decoding), and
-# ±infinity stays ±inf; the datetime of ``Event.created_at`` is made from it, exact to
-# the microsecond for the years 1698 to 2242 (a float8's precision)
-_CLAIMED = (
-    "c.id, c.topic, c.payload, c.dedupe_key, c.headers, c.attempts, c.max_attempts,"
-    " date_part('epoch', c.created_at) AS created_at,"
-    " date_part('epoch', c.available_at) AS available_at, c.message_id,"
-    " c.ordering_key, c.is_head"
-)
-
-
 @dataclass(frozen=True)
-class Queries(MonitoringStatements):
+class Queries(MarkStatements, MonitoringStatements):
     schema: str
     table: str
 
@@ -233,12 +223,15 @@ class Queries(MonitoringStatements):
     @property
     def insert_one(self) -> str:
         # $1 topic, $2 payload json, $3 dedupe_key, $4 headers json, $5 max_attempts,
-        # $6 available_at (absolute) or NULL, $7 delay seconds, $8 ordering_key
+        # $6 available_at (absolute) or NULL, $7 delay seconds, $8 ordering_key, $9 group.
+        # No delay: clock_timestamp(), the row's position after the statement's position
+        # lock (migration 0019; now() would make its trigger move the row instead)
         return (
             f"INSERT INTO {self.qualified}"
-            " (topic, payload, dedupe_key, headers, max_attempts, available_at, ordering_key)"
+            " (topic, payload, dedupe_key, headers, max_attempts, available_at, ordering_key, grp)"
             " VALUES ($1, $2::text::jsonb, $3, $4::text::jsonb, $5,"
-            " COALESCE($6::timestamptz, now() + make_interval(secs => $7::float8)), $8::text)"
+            " COALESCE($6::timestamptz, NULLIF(now() + make_interval(secs => $7::float8), now()),"
+            " clock_timestamp()), $8::text, $9::text)"
             " ON CONFLICT (dedupe_key) DO NOTHING RETURNING id"
         )
 
@@ -255,13 +248,14 @@ class Queries(MonitoringStatements):
     def _insert_many(self, ordering_key: str) -> str:
         return (
             f"INSERT INTO {self.qualified}"
-            " (topic, payload, dedupe_key, headers, max_attempts, available_at, ordering_key)"
+            " (topic, payload, dedupe_key, headers, max_attempts, available_at, ordering_key, grp)"
             " SELECT u.topic, u.payload::jsonb, u.dedupe_key, u.headers::jsonb, u.max_attempts,"
-            " COALESCE(u.available_at, now() + make_interval(secs => u.delay)), u.ordering_key"
+            " COALESCE(u.available_at, NULLIF(now() + make_interval(secs => u.delay), now()),"
+            " clock_timestamp()), u.ordering_key, u.grp"
             " FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::int[],"
-            " $6::timestamptz[], $7::float8[], $8::text[])"
+            " $6::timestamptz[], $7::float8[], $8::text[], $9::text[])"
             " WITH ORDINALITY AS u(topic, payload, dedupe_key, headers, max_attempts,"
-            " available_at, delay, ordering_key, ord)"
+            " available_at, delay, ordering_key, grp, ord)"
             " ORDER BY u.ord"
             f" ON CONFLICT (dedupe_key) DO NOTHING RETURNING id, dedupe_key, {ordering_key}"
         )
@@ -277,19 +271,33 @@ class Queries(MonitoringStatements):
     def claim(self) -> str:
         # $1 worker id, $2 lease seconds, $3 topics (NULL: every topic), $4 limit,
         # $5 byte cap, $6 run length behind an ordered head (0: heads only), $7 rows all
-        # runs may take together; the claimed rows are `ClaimedRow`'s columns (0006)
+        # runs may take together; the claimed rows are `ClaimedRow`'s columns (0006,
+        # 0018); groups from their first, in turn
         return (
-            f"SELECT {_CLAIMED} FROM {self._function('claim_v6')}"
+            f"SELECT {_CLAIMED}, {redelivered(self.schema, self.table)} AS redelivered"
+            f" FROM {self._function('claim_v7')}"
             "($1, $2::float8, $3::text[], $4::int, $5::bigint, $6::int, $7::int) AS c"
         )
 
     @property
     def claim_after(self) -> str:
-        # the claim, starting after a watermark: $8 available_at, $9 id
+        # the claim, its ungrouped rows after a watermark: $8 available_at, $9 id
         return (
-            f"SELECT {_CLAIMED} FROM {self._function('claim_v6')}"
+            f"SELECT {_CLAIMED}, {redelivered(self.schema, self.table)} AS redelivered"
+            f" FROM {self._function('claim_v7')}"
             "($1, $2::float8, $3::text[], $4::int, $5::bigint, $6::int, $7::int,"
             " $8::timestamptz, $9::bigint) AS c"
+        )
+
+    @property
+    def claim_in_turn(self) -> str:
+        # `claim`, resuming among groups after $10, the group cursor (`GroupCursor`),
+        # visiting at most $11 groups; $8 and $9 the watermark, or NULL
+        return (
+            f"SELECT {_CLAIMED}, {redelivered(self.schema, self.table)} AS redelivered"
+            f" FROM {self._function('claim_v7')}"
+            "($1, $2::float8, $3::text[], $4::int, $5::bigint, $6::int, $7::int,"
+            " $8::timestamptz, $9::bigint, $10::text, $11::int) AS c"
         )
 
     @property
@@ -376,9 +384,7 @@ class Queries(MonitoringStatements):
         return (
             "SELECT extract(epoch FROM (min(greatest(n.at, now())) - now()))::float8"
             " FROM unnest($1::text[]) AS t(topic) CROSS JOIN LATERAL ("
-            f" SELECT c.available_at AS at FROM {self.qualified} AS c"
-            "  WHERE c.status IN ('pending', 'retry') AND c.topic = t.topic"
-            "  AND c.available_at < 'infinity' ORDER BY c.available_at LIMIT 1) AS n"
+            f" {first_due(self.qualified)}) AS n"
         )
 
     @property
@@ -393,9 +399,7 @@ class Queries(MonitoringStatements):
             "  AND c.topic > t.topic ORDER BY c.topic LIMIT 1) FROM t WHERE t.topic IS NOT NULL)"
             " SELECT extract(epoch FROM (min(greatest(n.at, now())) - now()))::float8"
             " FROM t CROSS JOIN LATERAL ("
-            f" SELECT c.available_at AS at FROM {self.qualified} AS c"
-            "  WHERE c.status IN ('pending', 'retry') AND c.topic = t.topic"
-            "  AND c.available_at < 'infinity' ORDER BY c.available_at LIMIT 1) AS n"
+            f" {first_due(self.qualified)}) AS n"
             " WHERE t.topic IS NOT NULL"
         )
 

@@ -15,6 +15,11 @@ __all__ = ["Decoder", "Encoder", "decode_json", "encode_json"]
 Encoder = Callable[[Any], "str | bytes"]
 Decoder = Callable[["str | bytes"], Any]
 
+#: how to enqueue a type the stdlib encoder does not know (a datetime, a UUID, a Decimal)
+ENCODER_HINT = (
+    "pass encoder= to encode other types, e.g. encoder=lambda v: json.dumps(v, default=str)"
+)
+
 # a JSON ``\u0000`` escape (which jsonb rejects) is one preceded by an even number of
 # backslashes; ``\\u0000`` is an escaped backslash followed by the text "u0000"
 _NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
@@ -27,7 +32,7 @@ def _stdlib_dumps(value: Any) -> str:
 
 def _pick_loads() -> Decoder:
     try:
-        import orjson  # optional speed-up: pip install 'aiooutbox[speedups]'
+        import orjson  # optional speed-up: the speedups extra
     except ImportError:
         return json.loads
     loads: Decoder = orjson.loads
@@ -48,7 +53,10 @@ def encode_json(value: Any, what: str, encoder: Encoder | None = None) -> str:
         ) from None
     except (TypeError, ValueError, OverflowError) as exc:
         cls = TypeError if isinstance(exc, TypeError) else InvalidArgument
-        raise cls(f"{what} is not JSON-serialisable: {exception_message(exc)}") from exc
+        message = f"{what} is not JSON-serialisable: {exception_message(exc)}"
+        if encoder is None and isinstance(exc, TypeError):  # a type json does not know
+            message += f"; {ENCODER_HINT}"
+        raise cls(message) from exc
     if isinstance(text, bytes):
         text = text.decode()
     if not isinstance(text, str):

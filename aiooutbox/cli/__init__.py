@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import shlex
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
@@ -23,6 +24,7 @@ from .._sql.db import permanent_message, permanent_reason
 from .._values.text import describe_exception
 from ..errors import OutboxError, SchemaNotReady
 from . import logsetup
+from .args import env_value, redact
 from .commands import table_hint
 from .errors import CommandError, UsageError
 from .parser import build_parser
@@ -91,9 +93,21 @@ def _call(args: argparse.Namespace) -> int:
         return 130
 
 
+def _dsn_flag(args: argparse.Namespace) -> str:
+    """`` --dsn DSN`` (password redacted) for a DSN that `migrate` would not find by
+    itself: one given on the command line (or in a file), not in the environment."""
+    dsn = getattr(args, "dsn", None)
+    if not isinstance(dsn, str) or not dsn:
+        return ""
+    if (env_value("AIOOUTBOX_DSN") or env_value("DATABASE_URL") or "").strip() == dsn:
+        return ""
+    return f" --dsn {shlex.quote(redact(dsn))}"
+
+
 def _migrate_hint(message: str, args: argparse.Namespace) -> str:
-    """The library's "run `python -m aiooutbox migrate`" with this command's outbox named."""
-    hint = table_hint(args)
+    """The library's "run `python -m aiooutbox migrate`" with this command's database
+    and outbox named, so that the command runs as shown."""
+    hint = _dsn_flag(args) + table_hint(args)
     if getattr(args, "pgbouncer", False):
         hint += " --pgbouncer"
     if args.command == "run":

@@ -57,6 +57,8 @@ async def cmd_enqueue(args: argparse.Namespace) -> int:
                 delay=args.delay,
                 max_attempts=args.max_attempts,
                 headers=args.headers,
+                ordering_key=args.ordering_key,
+                group=args.group,
                 schema=args.schema,
                 table=args.table,
             )

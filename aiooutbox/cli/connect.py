@@ -116,9 +116,11 @@ async def database(args: argparse.Namespace, *, check: bool = True) -> AsyncIter
 async def apply_migrations(
     db: asyncpg.Connection | asyncpg.Pool, args: argparse.Namespace
 ) -> list[int]:
-    """`migrate`; safe behind PgBouncer in transaction mode as it is (each step is one
-    transaction holding its own transaction-level advisory lock)."""
-    return await migrate(db, schema=args.schema, table=args.table)
+    """`migrate`. Behind PgBouncer in transaction mode (``--pgbouncer``) every step is one
+    transaction holding its own transaction-level advisory lock, and an index is built
+    inside its migration's transaction: a concurrent build needs one server session."""
+    pgbouncer = bool(getattr(args, "pgbouncer", False))
+    return await migrate(db, schema=args.schema, table=args.table, concurrently=not pgbouncer)
 
 
 @contextlib.asynccontextmanager

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from .. import embedded
+from .._values.extras import install_hint
 from . import logsetup
 from .args import (
     DSN,
@@ -171,7 +172,7 @@ def add_metrics_options(parser: argparse.ArgumentParser) -> None:
         metavar="PORT",
         default=env_default("AIOOUTBOX_METRICS_PORT", PORT, None),
         help="serve Prometheus /metrics and /healthz on this port (0: any free port; "
-        'needs the prometheus extra: pip install "aiooutbox[prometheus]"; '
+        f"needs the prometheus extra: {install_hint('prometheus')}; "
         "env AIOOUTBOX_METRICS_PORT; default: no server)",
     )
     group.add_argument(
@@ -194,7 +195,7 @@ def check_metrics_options(args: argparse.Namespace) -> None:
         import prometheus_client  # noqa: F401
     except ImportError:
         raise UsageError(
-            '--metrics-port needs prometheus_client: pip install "aiooutbox[prometheus]"'
+            f"--metrics-port needs prometheus_client: {install_hint('prometheus')}"
         ) from None
 
 

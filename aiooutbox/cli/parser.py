@@ -109,6 +109,8 @@ def build_parser(prog: str = "aiooutbox") -> argparse.ArgumentParser:
         f"""
         {prog} enqueue orders.created '{{"order_id": 42}}'
         {prog} enqueue emails.send '{{"to": "a@example.com"}}' --dedupe-key welcome-a --delay 10m
+        {prog} enqueue orders.paid '{{"order_id": 42}}' --ordering-key order-42
+        {prog} enqueue invoices.send '{{"invoice": 7}}' --group tenant-42
         """,
     )
     enq.set_defaults(func=cmd_enqueue)
@@ -123,6 +125,16 @@ def build_parser(prog: str = "aiooutbox") -> argparse.ArgumentParser:
     )
     enq.add_argument("--max-attempts", type=POSITIVE_INT, metavar="N", help="default 5")
     enq.add_argument("--headers", type=JSON_OBJECT, help="a JSON object of headers")
+    enq.add_argument(
+        "--ordering-key",
+        metavar="KEY",
+        help="events with the same key are handled one at a time, in order",
+    )
+    enq.add_argument(
+        "--group",
+        metavar="NAME",
+        help="claims serve groups (tenants, say) in turn, so no group's backlog starves another",
+    )
     add_database_options(enq)
     add_logging_options(enq, "warning")
 

@@ -105,6 +105,14 @@ def add_topics_command(commands: Any, prog: str) -> None:
         help="events a claim may take at once after "
         "a quiet spell (with a rate; default: a tenth of a second's worth)",
     )
+    limit.add_argument(
+        "--group-max-running", metavar="N|none", help="claimed at once, at most, per group"
+    )
+    limit.add_argument("--group-rate", metavar="N/s|N/min|N/h|none", help="claims per group")
+    limit.add_argument("--group-burst", metavar="N", help="--burst, per group")
+    limit.add_argument(
+        "--group", metavar="NAME", help="the --group-* limits of this group only (an override)"
+    )
     _actor(limit)
     _common(limit)
 
@@ -182,18 +190,31 @@ async def cmd_topics_show(args: argparse.Namespace) -> int:
     async with database(args) as conn:
         found = await admin.topic_info(conn, name, **_where(args))
         changes = await admin.flow_history(conn, name, limit=5, **_where(args))
+        groups = await admin.group_stats(
+            conn, name, top=_TOP_GROUPS, schema=args.schema, table=args.table
+        )
+        limits = await admin.group_limits(conn, name, **_where(args))
     if found is None:
         raise CommandError(f"no topic {name!r}: it has no unfinished events and no controls")
     if args.json:
+        extra = {"groups": groups.as_dict(), "group_limits": [g.as_dict() for g in limits]}
         print(
             json.dumps(
-                {**found.as_dict(), "changes": [c.as_dict() for c in changes]},
+                {**found.as_dict(), "changes": [c.as_dict() for c in changes], **extra},
                 indent=2,
                 ensure_ascii=False,
             )
         )
         return 0
     print(table(_HEADERS, [_row(found)]))
+    for g in limits:
+        print(_group_state(g))
+    if groups.busiest:
+        shown = ", ".join(f"{_group(g)} {n}" for g, n in groups.busiest)
+        print(f"busiest groups (running): {shown}")
+    if groups.waiting:
+        shown = ", ".join(f"{_group(g)} {n} ({age(lag)})" for g, n, lag in groups.waiting)
+        print(f"most waiting groups (due, oldest): {shown}")
     for c in changes:
         print(
             f"{c.at:%Y-%m-%d %H:%M:%S} {c.actor}: {c.action} "
@@ -246,19 +267,57 @@ async def cmd_topics_limit(args: argparse.Namespace) -> int:
         changes["rate"] = None if args.rate.strip().lower() == "none" else args.rate
     if args.burst is not None:
         changes["burst"] = _none_or(args.burst, "--burst", float)
-    if not changes:
+    grouped: dict[str, Any] = {}  # the same, per group
+    if args.group_max_running is not None:
+        grouped["max_running"] = _none_or(args.group_max_running, "--group-max-running", int)
+    if args.group_rate is not None:
+        grouped["rate"] = None if args.group_rate.strip().lower() == "none" else args.group_rate
+    if args.group_burst is not None:
+        grouped["burst"] = _none_or(args.group_burst, "--group-burst", float)
+    if args.group is not None and (changes or not grouped):
+        raise UsageError("--group takes only --group-max-running, --group-rate, --group-burst")
+    if not (changes or grouped):
         raise UsageError("say which limit to change: --max-running, --rate or --burst")
     actor = _checked_actor(args.actor)
     async with database(args) as conn:
         try:
-            now = await admin.limit_topic(
-                conn, name, actor=actor, schema=args.schema, table=args.table, **changes
-            )
+            if changes:
+                now = await admin.limit_topic(
+                    conn, name, actor=actor, schema=args.schema, table=args.table, **changes
+                )
+                print(f"{name}: {_state(now)}")
+            if grouped:
+                g = await admin.limit_groups(
+                    conn,
+                    name,
+                    group=args.group,
+                    actor=actor,
+                    schema=args.schema,
+                    table=args.table,
+                    **grouped,
+                )
+                print(f"{name}: {_group_state(g)}")
         except (InvalidArgument, TypeError) as exc:
             raise UsageError(str(exc)) from None
         await _note_unknown(conn, args, name)
-    print(f"{name}: {_state(now)}")
     return 0
+
+
+_TOP_GROUPS = 5  # groups `topics show` lists
+
+
+def _group(group: str | None) -> str:
+    return "(ungrouped)" if group is None else repr(group)
+
+
+def _group_state(g: admin.GroupLimit) -> str:
+    who = "every group" if g.group is None else f"group {g.group!r}"
+    if g.max_running is None and g.rate is None:
+        return f"{who}: no limits of its own"
+    limits = [f"at most {g.max_running} running"] if g.max_running is not None else []
+    if g.rate_text is not None:
+        limits.append(f"rate {g.rate_text} (burst {g.burst:g})")
+    return f"{who}: " + ", ".join(limits)
 
 
 async def cmd_topics_history(args: argparse.Namespace) -> int:

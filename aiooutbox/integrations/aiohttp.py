@@ -21,7 +21,7 @@ async def create_order(request: web.Request) -> web.Response:
 ```
 
 Cleanup contexts exit in reverse order, so the consumer stops before the pool closes.
-Needs ``pip install aiooutbox[aiohttp]``.
+Needs the ``aiohttp`` extra (``pip install -e '.[aiohttp]'`` in a clone of aiooutbox).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ async def create_order(conn: TransactionDep) -> dict[str, int]:
 `TransactionDep` is a pooled connection inside a transaction that commits when the
 endpoint returns, before the response is sent, and rolls back if it raises (an
 ``HTTPException`` too): the order and its event commit together or not at all.
-Needs ``pip install aiooutbox[fastapi]``.
+Needs the ``fastapi`` extra (``pip install -e '.[fastapi]'`` in a clone of aiooutbox).
 """
 
 from __future__ import annotations

@@ -3,21 +3,24 @@
 ::
 
     async with NatsSink("nats://127.0.0.1:4222") as sink:
-        async with aiooutbox.OutboxConsumer(pool, concurrency=256) as consumer:
-            await consumer.run({"*": sink})        # "*": every topic in the outbox
+        async with aiooutbox.OutboxConsumer(pool, concurrency=2048) as consumer:
+            await consumer.run({"*": sink.handler(batch=256)})  # "*": every topic
 
-A sink publishes one event, awaits the broker's confirm and returns, so the row is
-``done`` only once the broker holds the message; throughput comes from the consumer's
-concurrency, per-key order from its ``ordering_key`` handling. Every message carries the
+A sink's batch handler publishes a batch of events with its client's pipelined calls,
+awaits the broker's confirms and returns each event's outcome, so a row is ``done``
+only once the broker holds its message; a key's events go out one after another
+(per-key order), each refused or failed message is settled on its own. Every message carries the
 event's ``message_id`` (a UUID unique across databases and tables, the same on every
-retry) for brokers and downstream consumers to dedupe on. Each sink needs its extra:
-``aiooutbox[nats]``, ``[rabbitmq]``, ``[kafka]``, ``[redis]``, ``[webhook]``.
+retry) for brokers and downstream consumers to dedupe on. Each sink needs its extra,
+``nats``, ``rabbitmq``, ``kafka``, ``redis`` or ``webhook`` (in a clone of aiooutbox:
+``pip install -e '.[kafka]'``).
 See docs/relay.md.
 """
 
 from __future__ import annotations
 
 from ._amqp import Nacked, RabbitMQSink, Unroutable
+from ._batch import HeldBack
 from ._kafka import KafkaSink
 from ._nats import NatsSink, NoStreamForSubject, PublishDenied
 from ._redis import RedisSink
@@ -27,6 +30,7 @@ from ._webhook import WebhookError, WebhookSink, sign
 
 __all__ = [
     "BrokerUnavailable",
+    "HeldBack",
     "KafkaSink",
     "Message",
     "Nacked",

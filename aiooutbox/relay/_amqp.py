@@ -56,6 +56,8 @@ class RabbitMQSink(Sink):
 
     name = "rabbitmq"
     cloudevents_binding = "amqp"
+    # RabbitMQ's sender-selected distribution: more routing keys than the destination
+    reserved_names = ("cc", "bcc")
 
     def __init__(
         self,

@@ -16,6 +16,7 @@ again (`relay._lookup`, `relay._kafka_read`). First attempts never look. Idempot
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import re
 from collections.abc import Callable, Hashable
@@ -53,6 +54,12 @@ def topic_problem(topic: str) -> str | None:
         "not a valid Kafka topic name: Kafka allows 1-249 characters of "
         "[a-zA-Z0-9._-], and not '.' or '..'"
     )
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """Take a late delivery's outcome, so that asyncio does not log it as lost."""
+    if not future.cancelled():
+        future.exception()
 
 
 class _QuietInitProducerId(logging.Filter):
@@ -149,7 +156,9 @@ class KafkaSink(Sink):
             "enable_idempotence": self.enable_idempotence,
             "request_timeout_ms": int(self.publish_timeout * 1000),
             "retry_backoff_ms": 200,
-            "linger_ms": 1,  # many keys in flight at once: let them share a request
+            # a wave of a batch is handed to the producer at once: lingering only delays it
+            # (measured over 1,000 keys: 13.7k/s at 0 against 10.5-12.7k at 1 ms)
+            "linger_ms": 0,
         }
         options.update(self._options)
         self._producer = self._aiokafka.AIOKafkaProducer(**options)
@@ -183,7 +192,7 @@ class KafkaSink(Sink):
             if self._producer is not None:
                 await self._producer.stop()
 
-    async def _published(self, message: Message) -> bool:
+    async def _published(self, message: Message, asked: float) -> bool:
         assert self._lookup is not None
         topic = message.destination
         key = self._key(message)
@@ -195,7 +204,7 @@ class KafkaSink(Sink):
             places = [(topic, self._producer._partition(topic, None, None, None, key, None))]
         created = message.event.created_at
         since = int(created.timestamp() * 1000 - self.clock_skew * 1000) if created else 0
-        return await self._lookup.contains(places, message.message_id, max(since, 0))
+        return await self._lookup.contains(places, message.message_id, max(since, 0), asked)
 
     def _key(self, message: Message) -> bytes | None:
         key = message.key
@@ -205,13 +214,84 @@ class KafkaSink(Sink):
         return key.encode() if key is not None else None
 
     async def _send(self, message: Message) -> None:
-        headers = [(k, v.encode()) for k, v in message.headers.items()]
-        await asyncio.wait_for(
-            self._producer.send_and_wait(
-                message.destination, value=message.body, key=self._key(message), headers=headers
-            ),
-            self.publish_timeout,
+        future = await self._producer.send(
+            message.destination, value=message.body, key=self._key(message),
+            headers=[(k, v.encode()) for k, v in message.headers.items()],
+        )  # fmt: skip
+        await asyncio.wait_for(future, self.publish_timeout)
+
+    async def _send_many(self, messages: list[Message]) -> list[BaseException | None]:
+        """Every record appended to the producer's batches (``send``), then the
+        deliveries awaited together: the client packs them into one produce request per
+        broker. Records of one partition are delivered in the order sent (one request
+        in flight per broker, a retried batch put back first), but a record batch that
+        fails lets the next one through: so the sink never has two events of one key
+        in flight (`relay._batch`)."""
+        producer = self._producer
+        results: list[BaseException | None] = [None] * len(messages)
+        # a topic whose partitions the client does not know yet makes ``send`` wait for
+        # its metadata: asked for at once, not one message after another
+        missing = await self._metadata({m.destination for m in messages})
+        deliveries: dict[asyncio.Future[Any], int] = {}
+        for i, message in enumerate(messages):
+            problem = missing.get(message.destination)
+            if problem is not None:
+                results[i] = problem
+                continue
+            try:
+                future = await producer.send(
+                    message.destination, value=message.body, key=self._key(message),
+                    headers=[(k, v.encode()) for k, v in message.headers.items()],
+                )  # fmt: skip
+            except Exception as exc:  # refused by the client (too large, ...), or closed
+                results[i] = exc
+                continue
+            deliveries[future] = i
+        if deliveries:
+            done, late = await asyncio.wait(deliveries, timeout=self.publish_timeout)
+            for future in done:
+                results[deliveries[future]] = future.exception()
+            if late:
+                timeout = self._errors.KafkaTimeoutError(
+                    f"no acknowledgement within {self.publish_timeout:g}s"
+                )
+                for future in late:
+                    results[deliveries[future]] = timeout
+                    future.add_done_callback(_retrieved)  # its late outcome is nobody's
+        return await self._alone(messages, results)
+
+    async def _metadata(self, topics: set[str]) -> dict[str, BaseException]:
+        """Fetch the partitions of the ``topics`` the client does not know; the error of
+        each it could not."""
+        cluster = self._producer.client.cluster
+        unknown = [t for t in topics if cluster.partitions_for_topic(t) is None]
+        if not unknown:
+            return {}
+        found = await asyncio.gather(
+            *(self._producer.partitions_for(t) for t in unknown), return_exceptions=True
         )
+        return {t: r for t, r in zip(unknown, found, strict=True) if isinstance(r, Exception)}
+
+    async def _alone(
+        self, messages: list[Message], results: list[BaseException | None]
+    ) -> list[BaseException | None]:
+        """A refusal the broker answered for a whole record batch (over its
+        ``message.max.bytes``, an invalid record) names no record: each record it hit
+        is produced again on its own, so that only the one refused is dead."""
+        shared = collections.Counter(id(r) for r in results if r is not None)
+        for i, result in enumerate(results):
+            if (
+                result is not None
+                and shared[id(result)] > 1
+                and self._refusal(result, messages[i]) is not None
+            ):
+                try:
+                    await self._send(messages[i])
+                except Exception as exc:
+                    results[i] = exc
+                else:
+                    results[i] = None
+        return results
 
     def _destination_problem(self, destination: str) -> str | None:
         return topic_problem(destination)

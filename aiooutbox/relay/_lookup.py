@@ -76,9 +76,16 @@ class Lookup:
         self.entries = 0
         self.seconds = 0.0
 
-    async def contains(self, places: list[Hashable], message_id: str, since_ms: int) -> bool:
-        """True when ``message_id`` is in one of ``places`` from ``since_ms`` to their end."""
-        asked = time.monotonic()
+    async def contains(
+        self, places: list[Hashable], message_id: str, since_ms: int, asked: float | None = None
+    ) -> bool:
+        """True when ``message_id`` is in one of ``places`` from ``since_ms`` to their end.
+
+        ``asked`` (monotonic; default now) is when the message could last have been
+        published: a read begun after it serves the look-up, so the look-ups of one
+        batch, asked together, share one read of each place."""
+        if asked is None:
+            asked = time.monotonic()
         since_ms -= since_ms % _GRAIN_MS
         async with self._lock:
             self.lookups += 1

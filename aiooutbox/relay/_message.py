@@ -8,8 +8,9 @@ use it without importing each other.
 from __future__ import annotations
 
 import json
+import logging
 import string
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,18 @@ from .._values.text import exception_message
 from ..errors import Dead, InvalidArgument
 from ..events import Event
 
-__all__ = ["Message", "check_template", "ordering_key", "payload_body", "render_destination"]
+__all__ = [
+    "RESERVED_PREFIXES",
+    "Message",
+    "ReservedHeaders",
+    "check_template",
+    "ordering_key",
+    "own_headers",
+    "payload_body",
+    "render_destination",
+]
+
+logger = logging.getLogger("aiooutbox.relay")
 
 _FIELDS = frozenset({"topic", "ordering_key"})
 
@@ -27,6 +39,74 @@ EVENT_ID_HEADER = "outbox-event-id"
 MESSAGE_ID_HEADER = "outbox-message-id"
 DEDUPE_KEY_HEADER = "outbox-dedupe-key"
 ORDERING_KEY_HEADER = "outbox-ordering-key"
+
+#: header names an event's own headers may not start with, on every broker and in every
+#: format: the relay's own (outbox-), the CloudEvents attributes in each binding's
+#: spelling (ce- HTTP, NATS and Knative's RabbitMQ; ce_ Kafka; cloudEvents_ and
+#: cloudEvents: AMQP), Standard Webhooks' (webhook-) and the body's (content-type,
+#: content-length, content-encoding, ...). Compared case-folded, spaces stripped.
+RESERVED_PREFIXES = (
+    "outbox-",
+    "ce-",
+    "ce_",
+    "cloudevents_",
+    "cloudevents:",
+    "webhook-",
+    "content-",
+)
+#: how many header names a `ReservedHeaders` remembers its verdict on
+_REMEMBERED = 4096
+
+
+class ReservedHeaders:
+    """Which of an event's own header names a relay drops: those that would stand beside,
+    or be read as, the relay's own or the broker's (`RESERVED_PREFIXES` and ``prefixes``,
+    and the exact ``names``), in any case and with any surrounding spaces, since
+    receivers compare names without case (HTTP, the CloudEvents SDKs) and some clients
+    strip them (nats-py). A name dropped is logged once."""
+
+    __slots__ = ("names", "prefixes", "verdicts")
+
+    def __init__(self, names: Iterable[str] = (), prefixes: Iterable[str] = ()) -> None:
+        self.names = frozenset(n.casefold() for n in names)
+        self.prefixes = RESERVED_PREFIXES + tuple(p.casefold() for p in prefixes)
+        #: name -> reserved or not, for the names seen (bounded)
+        self.verdicts: dict[str, bool] = {}
+
+    def keep(self, own: Mapping[str, Any]) -> dict[str, Any]:
+        """``own`` without the names reserved (one look-up a name seen before)."""
+        verdicts = self.verdicts
+        kept = {}
+        for name, value in own.items():
+            verdict = verdicts.get(name)
+            if not (self.judge(name) if verdict is None else verdict):
+                kept[name] = value
+        return kept
+
+    def judge(self, name: str) -> bool:
+        """Whether ``name`` is reserved, remembered (and logged once when it is)."""
+        folded = str(name).strip().casefold()
+        verdict = folded in self.names or folded.startswith(self.prefixes)
+        if len(self.verdicts) >= _REMEMBERED:
+            self.verdicts.clear()
+        self.verdicts[name] = verdict
+        if verdict:
+            logger.warning(
+                "relay: an event's header %r is not published: the name is reserved "
+                "for the relay's and the broker's own (docs/relay.md, Reserved headers)",
+                str(name)[:80],
+            )
+        return verdict
+
+
+#: the names every broker reserves (a sink adds its broker's own)
+ANY_BROKER = ReservedHeaders()
+
+
+def own_headers(event: Event, reserved: ReservedHeaders = ANY_BROKER) -> dict[str, Any]:
+    """The event's own headers a relay passes on, values as the producer gave them."""
+    own = event.headers
+    return reserved.keep(own) if own else {}
 
 
 def check_template(template: object, what: str = "destination") -> str:
@@ -76,7 +156,7 @@ def _stdlib_body(payload: Any) -> bytes:
 
 
 def _pick_body() -> Callable[[Any], bytes]:
-    """orjson when installed (``aiooutbox[speedups]``): the stdlib encoder cost ~5% of a
+    """orjson when installed (the ``speedups`` extra): the stdlib encoder cost ~5% of a
     relay's CPU. Its output is the same compact JSON; anything it refuses (an int past
     64 bits, a key that is not a str) falls back to the stdlib."""
     try:
@@ -122,14 +202,21 @@ class Message:
         event: Event,
         template: str,
         render: Callable[[str, Event], str] | None = None,
+        reserved: ReservedHeaders = ANY_BROKER,
     ) -> Message:
         """The message for ``event``; ``render`` fills the destination template (default
-        `render_destination`)."""
+        `render_destination`); the event's headers named as ``reserved`` are dropped."""
         if not event.message_id:
             raise Dead("the event has no message_id; migrate the outbox schema")
         body = payload_body(event.payload)
         own = event.headers
-        headers = {str(k): _header_value(v) for k, v in own.items()} if own else {}
+        headers: dict[str, str] = {}
+        if own:
+            verdicts = reserved.verdicts
+            for name, value in own.items():
+                dropped = verdicts.get(name)
+                if not (reserved.judge(name) if dropped is None else dropped):
+                    headers[name] = value if type(value) is str else _header_value(value)
         headers[TOPIC_HEADER] = event.topic
         headers[EVENT_ID_HEADER] = str(event.id)
         headers[MESSAGE_ID_HEADER] = event.message_id

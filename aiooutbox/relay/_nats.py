@@ -113,6 +113,10 @@ class NatsSink(Sink):
 
     name = "nats"
     cloudevents_binding = "nats"
+    # JetStream's own (Nats-Msg-Id, Nats-Expected-*, Nats-Rollup, Nats-TTL, ...) and the
+    # status a client reads a message as a server's answer by (nats-py skips it)
+    reserved_names = ("status",)
+    reserved_prefixes = ("nats-",)
 
     def __init__(
         self,
@@ -329,25 +333,66 @@ class NatsSink(Sink):
         return None
 
     async def _send(self, message: Message) -> None:
+        result = (await self._send_many([message]))[0]
+        if result is not None:
+            raise result
+
+    async def _send_many(self, messages: list[Message]) -> list[BaseException | None]:
+        """Every message published with a reply subject of the sink's inbox (nats-py
+        buffers them and writes them together), then the PubAcks awaited. NATS keeps a
+        connection's messages in the order published."""
         if self._nc.is_closed:
             await self._reopen(self._nc)
-        headers = message.headers  # this message's own dict; a repeat sets the same id
-        headers["Nats-Msg-Id"] = message.message_id
-        token = str(next(self._tokens))
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        results: list[BaseException | None] = [None] * len(messages)
+        loop = asyncio.get_running_loop()
         deadline = time.monotonic() + self.publish_timeout
-        self._acks[token] = (future, deadline, message.destination)
+        acks = self._acks
+        waiting: list[tuple[int, str, asyncio.Future[Any]]] = []
         try:
-            await self._nc.publish(
-                message.destination, message.body, reply=self._inbox + token, headers=headers
-            )
-            ack = await future
+            for i, message in enumerate(messages):
+                headers = message.headers  # this message's own dict; a repeat sets the same id
+                headers["Nats-Msg-Id"] = message.message_id
+                token = str(next(self._tokens))
+                future: asyncio.Future[Any] = loop.create_future()
+                acks[token] = (future, deadline, message.destination)
+                waiting.append((i, token, future))  # its token is dropped however this ends
+                try:
+                    await self._nc.publish(
+                        message.destination, message.body, reply=self._inbox + token,
+                        headers=headers,
+                    )  # fmt: skip
+                except Exception as exc:
+                    waiting.pop()
+                    acks.pop(token, None)
+                    results[i] = exc
+            streams: dict[str, BaseException | None] = {}  # asked of JetStream in this call
+            for i, _, future in waiting:
+                try:
+                    await self._stored(await future, messages[i], streams)
+                except Exception as exc:
+                    results[i] = exc
         finally:
-            self._acks.pop(token, None)
+            for _, token, _ in waiting:
+                acks.pop(token, None)
+        return results
+
+    async def _stored(
+        self, ack: Any, message: Message, streams: dict[str, BaseException | None]
+    ) -> None:
+        """Raise unless ``ack`` is JetStream's PubAck of ``message``; ``streams``: what
+        JetStream said of each subject asked about so far (once a subject a call)."""
         if ack.headers and ack.headers.get("Status") == "503":  # no responders
             if not self._nc.is_connected:
                 raise ConnectionError("NATS connection lost")
-            await self._require_stream(message.destination)
+            subject = message.destination
+            if subject not in streams:
+                try:
+                    await self._require_stream(subject)
+                    streams[subject] = None
+                except Exception as exc:
+                    streams[subject] = exc
+            if streams[subject] is not None:
+                raise streams[subject]  # type: ignore[misc]
             # a stream captures the subject, yet nobody answered: JetStream is away for
             # now (a server shutting down stops JetStream before it drops connections)
             raise ConnectionError(f"JetStream did not answer for {message.destination!r}")

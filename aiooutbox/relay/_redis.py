@@ -13,13 +13,14 @@ entries go in whole macro-nodes, cheaply.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Hashable
 from datetime import timedelta
 from typing import Any
 
 from .._values.limits import check_count
 from ._lookup import Lookup, Seen, check_skew
-from ._message import Message, payload_body
+from ._message import Message, own_headers, payload_body
 from ._sink import Sink, require
 
 __all__ = ["RedisSink"]
@@ -37,6 +38,8 @@ _BUSY = ("OOM", "READONLY", "BUSY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "LO
 _BUSY_CLASSES = frozenset(
     {"OutOfMemoryError", "ReadOnlyError", "TryAgainError", "ClusterDownError", "MasterDownError"}
 )
+#: the least ``proto-max-bulk-len`` a server takes (1mb): no smaller value is refused
+_BULK_FLOOR = 1024 * 1024
 #: entries per XRANGE of a look-up
 _PAGE = 2000
 # connections of a sink without max_in_flight: Redis runs one command at a time, so more
@@ -111,12 +114,15 @@ class RedisSink(Sink):
         # concurrent command with MaxConnectionsError (`max_connections=None` means 100
         # since redis-py 8), which a relay at concurrency 256 took for an outage of a
         # healthy server: "unavailable", events held, hundreds of retries per run.
+        # No socket_timeout: a timer per reply cost a tenth of the client's CPU a
+        # message; each call is bounded by publish_timeout as a whole instead (a reply
+        # cut short closes its connection: redis-py drops a connection whose read was
+        # cancelled).
         pool = self._redis.BlockingConnectionPool.from_url(
             self.url,
             max_connections=self.max_in_flight or _CONNECTIONS,
             timeout=self.publish_timeout,
             socket_connect_timeout=self.connect_timeout,
-            socket_timeout=self.publish_timeout,
         )
         self._client = self._redis.Redis.from_pool(pool)  # the client closes its pool
         await self._client.ping()
@@ -125,32 +131,73 @@ class RedisSink(Sink):
         if self._client is not None:
             await self._client.aclose()
 
-    async def _send(self, message: Message) -> None:
+    def _fields(self, message: Message) -> dict[str, str | bytes]:
         event = message.event
         fields: dict[str, str | bytes] = {
             "message_id": message.message_id,
             "topic": event.topic,
             "event_id": str(event.id),
             "payload": message.body,
-            # the event's own headers, values as they are (message.headers holds text)
-            "headers": payload_body(event.headers) if event.headers else b"{}",
+            # the event's own headers, values as they are (message.headers holds text),
+            # but for the names reserved
+            "headers": payload_body(own_headers(event, self._reserved)) if event.headers else b"{}",
         }
         if event.dedupe_key is not None:
             fields["dedupe_key"] = event.dedupe_key
         if message.key is not None:
             fields["ordering_key"] = message.key
-        await self._client.xadd(
-            message.destination,
-            fields,
-            maxlen=self.maxlen,
-            approximate=True,
-        )
+        return fields
 
-    async def _published(self, message: Message) -> bool:
+    async def _send(self, message: Message) -> None:
+        async with asyncio.timeout(self.publish_timeout):
+            await self._client.xadd(
+                message.destination, self._fields(message), maxlen=self.maxlen, approximate=True
+            )
+
+    async def _send_many(self, messages: list[Message]) -> list[BaseException | None]:
+        """One pipeline (not a transaction) of ``XADD``: one round trip, the replies in
+        order, a command's error in its place. Redis runs a connection's commands in
+        the order sent; a connection lost midway may have added a prefix of them, which
+        the look-up before the repeat finds.
+
+        A value of 1 MB or more goes in a command of its own: the server closes the
+        connection on a value over its ``proto-max-bulk-len`` (1 MB at the least), which
+        would fail every command after it in the pipeline as if the server were away."""
+        fields = [self._fields(message) for message in messages]
+        alone = [
+            i
+            for i, f in enumerate(fields)
+            if len(f["payload"]) >= _BULK_FLOOR or len(f["headers"]) >= _BULK_FLOOR
+        ]
+        results: list[BaseException | None] = [None] * len(messages)
+        together = [i for i in range(len(messages)) if i not in alone] if alone else None
+        if together is None or together:
+            pipe = self._client.pipeline(transaction=False)
+            maxlen = self.maxlen
+            chosen = range(len(messages)) if together is None else together
+            for i in chosen:
+                pipe.xadd(messages[i].destination, fields[i], maxlen=maxlen, approximate=True)
+            try:
+                async with asyncio.timeout(self.publish_timeout):
+                    replies = await pipe.execute(raise_on_error=False)
+            except Exception as exc:
+                replies = [exc] * len(chosen)
+            for i, reply in zip(chosen, replies, strict=True):
+                results[i] = reply if isinstance(reply, Exception) else None
+        for i in alone:
+            try:
+                await self._send(messages[i])
+            except Exception as exc:
+                results[i] = exc
+        return results
+
+    async def _published(self, message: Message, asked: float) -> bool:
         assert self._lookup is not None
         created = message.event.created_at
         since = int(created.timestamp() * 1000 - self.clock_skew * 1000) if created else 0
-        return await self._lookup.contains([message.destination], message.message_id, max(since, 0))
+        return await self._lookup.contains(
+            [message.destination], message.message_id, max(since, 0), asked
+        )
 
     async def _read(self, stream: Hashable, seen: Seen) -> None:
         """Add the ``message_id`` of every entry of ``stream`` from where ``seen`` stopped
@@ -161,7 +208,8 @@ class RedisSink(Sink):
             ms, seq = seen.position
             start = f"{ms}-{seq + 1}"  # the entry after the last one read (Redis 5 too)
         while True:
-            entries = await self._client.xrange(stream, min=start, max="+", count=_PAGE)
+            async with asyncio.timeout(self.publish_timeout):
+                entries = await self._client.xrange(stream, min=start, max="+", count=_PAGE)
             for _, fields in entries:
                 found = fields.get(b"message_id")
                 if found is not None:

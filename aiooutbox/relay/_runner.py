@@ -11,7 +11,7 @@ from typing import Any
 
 from .._values.limits import MAX_WORKER_ID
 from .._values.text import describe_exception, exception_message
-from ..cli.args import DURATION, POSITIVE_INT, env_default, redact
+from ..cli.args import DURATION, POSITIVE_INT, env_default, env_value, redact
 from ..cli.connect import apply_migrations, open_pool, resolve_dsn
 from ..cli.consumer_flags import add_consumer_options, build_options
 from ..cli.databases import Target, targets
@@ -28,11 +28,25 @@ from ..cli.options import (
 from ..cli.run import Telemetry, _settings, _Signals, telemetry
 from ..consumer import OutboxConsumer
 from ..errors import InvalidArgument, OutboxError
-from ..handlers import ALL_TOPICS
+from ..handlers import ALL_TOPICS, Handler
 
-__all__ = ["add_relay_command", "cmd_relay"]
+__all__ = ["RELAY_BATCH", "RELAY_CONCURRENCY", "add_relay_command", "cmd_relay", "relay_handler"]
 
 logger = logging.getLogger("aiooutbox.cli")
+
+#: the relay's defaults: the most events one publish call takes (``--batch``), and the
+#: consumer's concurrency (``--concurrency``: events held at once, several batches; 2048
+#: drained 10-25% faster than 1024 into Kafka, Redis and JetStream, unordered and over
+#: 1,000 keys, three alternated rounds each)
+RELAY_BATCH = 256
+RELAY_CONCURRENCY = 2048
+
+
+def relay_handler(sink: Any, batch: int = RELAY_BATCH) -> Handler:
+    """What a relay's consumer runs under each topic: the sink's batch handler, up to
+    ``batch`` events a call (`Sink.handler`)."""
+    handler: Handler = sink.handler(batch)
+    return handler
 
 
 def add_relay_command(commands: Any, prog: str) -> None:
@@ -98,6 +112,15 @@ def add_relay_command(commands: Any, prog: str) -> None:
         "attempt (env AIOOUTBOX_RELAY_RECONNECT_WAIT; default 60s)",
     )
     group.add_argument(
+        "--batch",
+        type=POSITIVE_INT,
+        metavar="N",
+        default=env_default("AIOOUTBOX_RELAY_BATCH", POSITIVE_INT, str(RELAY_BATCH)),
+        help="the most events one publish call takes: the sink publishes them with the "
+        "client's pipelined calls and settles each on its own (env AIOOUTBOX_RELAY_BATCH; "
+        f"default {RELAY_BATCH}; keep --concurrency at least twice this)",
+    )
+    group.add_argument(
         "--max-in-flight",
         type=POSITIVE_INT,
         metavar="N",
@@ -144,10 +167,25 @@ def add_relay_command(commands: Any, prog: str) -> None:
         "this (env AIOOUTBOX_RELAY_CLOCK_SKEW; default 60s)",
     )
     add_consumer_options(relay, topics_help="default: every topic in the outbox")
+    _relay_concurrency(relay)
     add_listen_options(relay)
     add_metrics_options(relay)
     add_database_options(relay, many=True)
     add_logging_options(relay, "info")
+
+
+def _relay_concurrency(relay: argparse.ArgumentParser) -> None:
+    """The relay's own default ``--concurrency``: several batches in flight."""
+    if env_value("AIOOUTBOX_CONCURRENCY") is not None:
+        return  # the environment's, as for run
+    for action in relay._actions:
+        if action.dest == "concurrency":
+            action.default = str(RELAY_CONCURRENCY)
+            action.help = (
+                "events held at once, in publish calls or waiting for one (env "
+                f"AIOOUTBOX_CONCURRENCY; default {RELAY_CONCURRENCY}: eight batches of "
+                f"{RELAY_BATCH})"
+            )
 
 
 def _sink(args: argparse.Namespace, found: list[Target]) -> Any:
@@ -259,10 +297,15 @@ async def _serve(
         if len(found) > 1:
             from ._fleet import relay_many
 
-            topics = args.topics or None
-            handlers = dict.fromkeys(topics, sink) if topics else {ALL_TOPICS: sink}
-            return await relay_many(args, sink, signals, observed, handlers, found)
+            return await relay_many(args, sink, signals, observed, _handlers(args, sink), found)
         return await _relay(args, sink, signals, observed)
+
+
+def _handlers(args: argparse.Namespace, sink: Any) -> dict[str, Handler]:
+    """The sink's batch handler under each ``--topics`` topic, else every topic."""
+    handler = relay_handler(sink, args.batch)
+    topics = args.topics or None
+    return dict.fromkeys(topics, handler) if topics else {ALL_TOPICS: handler}
 
 
 async def _relay(
@@ -278,7 +321,7 @@ async def _relay(
             logger.info("schema %s", f"migrated to {applied}" if applied else "up to date")
         await stack.enter_async_context(observed.queue_gauges(pool, args))
         topics = args.topics or None
-        handlers = dict.fromkeys(topics, sink) if topics else {ALL_TOPICS: sink}
+        handlers = _handlers(args, sink)
         # the worker id names the relay and its destination: the dashboard (and anyone
         # reading locked_by or the idle table) can tell relays apart
         options = dataclasses.replace(
@@ -290,13 +333,14 @@ async def _relay(
             async with consumer:
                 signals.consumer = consumer
                 logger.info(
-                    "relaying %s from %s to %s %s as %r with concurrency %d (%s)",
+                    "relaying %s from %s to %s %s as %r with concurrency %d, batches of %d (%s)",
                     ", ".join(topics) if topics else "every topic",
                     redact(dsn),
                     sink.name,
                     sink.describe(),
                     sink.destination,
                     args.concurrency,
+                    args.batch,
                     _settings(args),
                 )
                 try:

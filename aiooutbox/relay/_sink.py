@@ -1,10 +1,11 @@
 """`Sink`: the handler every relay is, and the one message format all brokers get.
 
-A sink is an async callable taking an `Event`, so it runs under a consumer like any
-handler (leases, retries, dead, per-key order, observers). Its whole job per event is
-"publish, await the broker's confirm, return": the consumer then settles the row
-``done`` only after the broker holds the message, and runs many sinks' calls at once
-(its ``concurrency``) for throughput.
+A sink is a batch handler (`Sink.handler`, over `Sink.publish_batch`), so it runs under
+a consumer like any handler (leases, retries, dead, per-key order, observers), and an
+async callable taking one `Event` too. Its whole job is "publish, await the broker's
+confirms, return": a batch goes out with the client's pipelined calls (`relay._batch`),
+each event with its own outcome, and the consumer settles each row ``done`` only after
+the broker holds its message.
 
 A broker that goes away is the sink's problem, not the event's: while the connection
 is down a call waits for it to come back (up to ``reconnect_wait``) and publishes again
@@ -20,26 +21,40 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from types import TracebackType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
+from .._values.extras import install_hint
 from .._values.limits import check_seconds
 from .._values.text import describe_exception, exception_message
 from ..errors import Dead, InvalidArgument, OutboxError
 from ..events import Event
+from ..handlers import Handler
+from ..retry import RetryPolicy
+from ._batch import HeldBack, Window, publish
 from ._cloudevents import CloudEvents, check_format, check_source
 from ._lookup import Lookup
 from ._message import (
     Message,
+    ReservedHeaders,
     check_template,
     render_destination,
     shown,
 )
 
-__all__ = ["BrokerUnavailable", "Message", "Sink", "SinkClosed", "render_destination"]
+__all__ = [
+    "BrokerUnavailable",
+    "HeldBack",
+    "Message",
+    "Sink",
+    "SinkClosed",
+    "render_destination",
+]
 
 logger = logging.getLogger("aiooutbox.relay")
 
@@ -66,18 +81,17 @@ class _State(enum.Enum):
 class Sink:
     """Base of every relay sink: lifecycle, the outage wait, the message format.
 
-    ``async with NatsSink(...) as sink: await consumer.run({"*": sink})``, or call
-    `start` and `close` yourself. A sink can be started once; closing it twice is fine.
+    ``async with NatsSink(...) as sink: await consumer.run({"*": sink.handler()})``
+    (batches), or ``{"*": sink}`` (one event a call); or call `start` and `close`
+    yourself. A sink can be started once; closing it twice is fine.
 
-    ``max_in_flight`` bounds the publishes awaiting the broker's confirm at once
-    (``None``: only the consumer's ``concurrency`` does). With a consumer
-    ``concurrency`` above it, claimed events queue for a publish slot, so a claim in
-    progress never leaves the broker's window empty (measured: the relay kept ~100 of
-    256 publishes in flight while it waited for claims, docs/benchmarks.md).
+    ``max_in_flight`` bounds the messages awaiting the broker's confirm at once,
+    batches included (``None``: only the consumer's ``concurrency`` does).
     ``format="cloudevents"`` publishes each event as a CloudEvent in the broker's binding
     (``"cloudevents-structured"``: the whole event as JSON in the body), with
     ``cloudevents_source`` as its ``source`` (see `relay._cloudevents`).
-    Subclasses implement ``_open``, ``_close``, ``_send`` and ``_is_outage``, and tell
+    Subclasses implement ``_open``, ``_close``, ``_send`` (and ``_send_many`` when the
+    client pipelines: by default concurrent ``_send`` calls) and ``_is_outage``, and tell
     the broker's permanent refusals with ``_destination_problem``, ``_message_problem``
     (checked before publishing) and ``_refusal`` (the broker's answer).
     """
@@ -85,6 +99,10 @@ class Sink:
     name: ClassVar[str] = "sink"
     #: the CloudEvents protocol binding of the broker (None: structured, no binding)
     cloudevents_binding: ClassVar[str | None] = None
+    #: header names (exact, and prefixes) the broker or its clients read as their own,
+    #: beyond the ones every broker reserves (`_message.RESERVED_PREFIXES`)
+    reserved_names: ClassVar[tuple[str, ...]] = ()
+    reserved_prefixes: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,
@@ -107,6 +125,8 @@ class Sink:
         #: destination -> why the broker cannot take it (None: it can), for the last few
         self._destinations: dict[str, str | None] = {}
         self._cloudevents = _cloudevents_for(self, format, cloudevents_source)
+        #: the event's own headers this sink drops
+        self._reserved = ReservedHeaders(self.reserved_names, self.reserved_prefixes)
         self.connect_timeout = check_seconds("connect_timeout", connect_timeout, minimum=0.01)
         self.publish_timeout = check_seconds("publish_timeout", publish_timeout, minimum=0.01)
         self.reconnect_wait = check_seconds("reconnect_wait", reconnect_wait, minimum=0.0)
@@ -117,7 +137,7 @@ class Sink:
         if max_in_flight is not None and max_in_flight < 1:
             raise InvalidArgument(f"max_in_flight must be at least 1, not {max_in_flight}")
         self.max_in_flight = max_in_flight
-        self._window = asyncio.Semaphore(max_in_flight) if max_in_flight else None
+        self._window = Window(max_in_flight) if max_in_flight else None
         self._state = _State.NEW
         self._outage_since: float | None = None
         #: publishes repeated after a lost connection (each may have reached the broker)
@@ -187,71 +207,68 @@ class Sink:
     def started(self) -> bool:
         return self._state is _State.OPEN
 
-    # -- the handler ------------------------------------------------------------------
+    # -- the handlers -----------------------------------------------------------------
     async def __call__(self, event: Event) -> None:
         """Publish ``event`` and return once the broker confirmed it; raise `Dead` with the
         broker's reason when it refuses the event for good."""
+        failures = await publish(self, (event,))
+        if failures:
+            raise failures[event.id]
+
+    async def publish_batch(
+        self, events: Sequence[Event], *, hold_after_dead: bool = False
+    ) -> dict[int, BaseException] | None:
+        """Publish ``events`` with the client's pipelined calls (a batch handler: ``None``
+        once the broker confirmed every one, else the failed ones' exceptions by event
+        id: `Dead` for a refusal, `HeldBack` for an event held behind an earlier one of
+        its key). A key's events are published one after another, each once the broker
+        confirmed the one before (see `relay._batch`); ``hold_after_dead`` holds a key
+        behind a refused event too (handlers with ``on_dead="block"``)."""
+        return await publish(self, events, hold_after_dead=hold_after_dead)
+
+    def handler(
+        self,
+        batch: int = 256,
+        *,
+        on_dead: Literal["skip", "block"] = "skip",
+        retry: RetryPolicy | None = None,
+        timeout: float | None = None,
+        linger: float = 0.0,
+    ) -> Handler:
+        """The sink's batch handler for ``consumer.run({"*": sink.handler()})``: up to
+        ``batch`` events a call, published with the client's pipelined calls
+        (`publish_batch`); ``on_dead="block"`` holds a key's later events behind a
+        refused one, in the broker as in the outbox. The options are `Handler`'s."""
+        publish = self.publish_batch
+        if on_dead == "block":
+            publish = functools.partial(self.publish_batch, hold_after_dead=True)
+        return Handler(
+            publish, retry=retry, timeout=timeout, on_dead=on_dead, batch=batch, linger=linger
+        )
+
+    def _prepare(self, event: Event) -> Message:
+        """The message of ``event`` in the sink's format; `Dead` if the broker would
+        refuse it whatever the retries."""
         message = self._message(event)
         if self._cloudevents is not None:
             message = self._cloudevents.message(message)
         self._check(message)
-        deadline: float | None = None
-        pause = 0.05
-        # not the event's first attempt: an earlier one may have reached the broker
-        look = (event.attempts > 1 or event.redelivered) and self._lookup is not None
-        while True:
-            if self._state is not _State.OPEN:
-                raise SinkClosed(f"{self.name} sink is {self._state.value}; start it first")
-            try:
-                if look:
-                    if await self._published(message):
-                        self.found_published += 1
-                        logger.debug(
-                            "%s sink: message %s is already in %s; not publishing it again",
-                            self.name,
-                            message.message_id,
-                            shown(message.destination),
-                        )
-                        return
-                    look = False
-                if self._window is None:
-                    await self._send(message)
-                else:
-                    async with self._window:
-                        await self._send(message)
-            except Exception as exc:
-                reason = self._refusal(exc, message)
-                if reason is not None:
-                    raise Dead(
-                        f"{self.name} refused the message for {shown(message.destination)}: "
-                        f"{reason}"
-                    ) from exc
-                if not self._is_outage(exc):
-                    raise
-                now = time.monotonic()
-                if deadline is None:
-                    deadline = now + self.reconnect_wait
-                if now >= deadline:
-                    raise
-                self._note_outage(exc, now)
-                await asyncio.sleep(min(pause, deadline - now))
-                pause = min(pause * 2, 1.0)
-                self.republished += 1
-                # a look-up that failed is made again; a lost publish may have landed:
-                # look before publishing it again
-                look = look or (self._lookup is not None and self._may_have_landed(exc))
-                continue
-            if self._outage_since is not None:
-                logger.info(
-                    "%s sink: publishing again after %.1fs",
-                    self.name,
-                    time.monotonic() - self._outage_since,
-                )
-                self._outage_since = None
-            return
+        return message
+
+    def _closed_error(self) -> BaseException:
+        return SinkClosed(f"{self.name} sink is {self._state.value}; start it first")
+
+    def _note_back(self) -> None:
+        if self._outage_since is not None:
+            logger.info(
+                "%s sink: publishing again after %.1fs",
+                self.name,
+                time.monotonic() - self._outage_since,
+            )
+            self._outage_since = None
 
     def _message(self, event: Event) -> Message:
-        return Message.of(event, self.destination)
+        return Message.of(event, self.destination, reserved=self._reserved)
 
     def _check(self, message: Message) -> None:
         """`Dead` when the broker would refuse ``message`` whatever the retries."""
@@ -292,14 +309,23 @@ class Sink:
         raise NotImplementedError
 
     async def _send(self, message: Message) -> None:
+        """Publish one message and await the broker's confirm."""
         raise NotImplementedError
+
+    async def _send_many(self, messages: list[Message]) -> list[BaseException | None]:
+        """Publish ``messages`` (no two of one ordering key) and await the broker's
+        confirms: each one's error, or None. By default concurrent `_send` calls;
+        sinks whose client pipelines override it."""
+        results = await asyncio.gather(*map(self._send, messages), return_exceptions=True)
+        return [_failure(r) for r in results]
 
     def _may_have_landed(self, exc: BaseException) -> bool:
         """False when the outage ``exc`` stopped the publish before it was sent."""
         return True
 
-    async def _published(self, message: Message) -> bool:
-        """True when the broker already holds ``message`` (sinks with a `_lookup`)."""
+    async def _published(self, message: Message, asked: float) -> bool:
+        """True when the broker already holds ``message`` (sinks with a `_lookup`); what
+        was read after ``asked`` (monotonic) is read again only if it does not say."""
         raise NotImplementedError
 
     def _is_outage(self, exc: BaseException) -> bool:
@@ -319,6 +345,16 @@ class Sink:
         """The broker's reason when ``exc`` refuses ``message`` for good (None: ``exc`` is an
         outage or a failure worth retrying)."""
         return None
+
+
+def _failure(result: object) -> BaseException | None:
+    """A gathered result as `_send_many` returns it: the error, or None; a cancelled
+    publish (its task cancelled, not the caller) is an error too."""
+    if isinstance(result, Exception):
+        return result
+    if isinstance(result, BaseException):  # CancelledError of that one publish
+        return TimeoutError(f"the publish was cancelled: {result!r}")
+    return None
 
 
 def _cloudevents_for(sink: Sink, format: str, source: str | None) -> Any:
@@ -343,6 +379,5 @@ def require(module: str, extra: str) -> Any:
         return importlib.import_module(module)
     except ImportError as exc:
         raise ImportError(
-            f"this sink needs {module!r}: pip install 'aiooutbox[{extra}]' "
-            f"({exception_message(exc)})"
+            f"this sink needs {module!r}: {install_hint(extra)} ({exception_message(exc)})"
         ) from exc

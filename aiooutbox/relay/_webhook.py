@@ -3,7 +3,8 @@
 Headers: ``webhook-id`` (the event's ``message_id``, the receiver's idempotency key),
 ``webhook-timestamp`` (Unix seconds), ``webhook-signature`` (``v1,`` + base64 of
 HMAC-SHA256 over ``"{id}.{timestamp}.{body}"`` with the secret), plus the event's own
-headers (trace context included) and the ``outbox-*`` ones. Outcomes: 2xx done; 408,
+headers (trace context included; the names reserved dropped, the request's and the
+client's own among them) and the ``outbox-*`` ones. Outcomes: 2xx done; 408,
 429 and 5xx retried (``Retry-After`` honoured on 429 and 503); any other 4xx ``dead``,
 with the status and the start of the response body as the event's last error; a
 timeout or refused connection retried with the consumer's backoff.
@@ -16,6 +17,7 @@ a line break in a value) sends the event to ``dead`` at once.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import email.utils
 import hashlib
@@ -28,25 +30,29 @@ from urllib.parse import quote
 
 from ..errors import Dead, InvalidArgument, Retry
 from ..events import Event
-from ._message import Message, check_template, ordering_key
+from ._message import Message, ReservedHeaders, check_template, ordering_key
 from ._sink import Sink, require
 
 __all__ = ["WebhookError", "WebhookSink", "sign"]
 
-# headers an event must not set: they describe the request itself
-_RESERVED = frozenset(
-    {
-        "host",
-        "content-length",
-        "content-type",
-        "transfer-encoding",
-        "connection",
-        "webhook-id",
-        "webhook-timestamp",
-        "webhook-signature",
-    }
+#: headers that describe the request itself (HTTP framing), beyond the names every
+#: broker reserves (webhook-*, content-*): an event's own are dropped
+_REQUEST_HEADERS = (
+    "host",
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "expect",
+    "proxy-connection",
 )
+#: what httpx sends on every request unless told otherwise
+_CLIENT_DEFAULTS = ("accept", "accept-encoding", "user-agent")
 _MAX_RETRY_AFTER = 86400.0
+#: requests of one batch sent at once (the client keeps this many connections alive)
+_PARALLEL = 64
 _ERROR_BODY = 500
 #: an HTTP header name is a token (RFC 9110); a value has no control characters but tab
 _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
@@ -156,13 +162,16 @@ class WebhookSink(Sink):
         self.url = url
         self._options = dict(client_options or {})
         self._client: Any = None
+        # the client's own headers (httpx's and those of client_options) win too
+        configured = self._httpx.Headers(self._options.get("headers") or {})
+        self._reserved = ReservedHeaders((*_REQUEST_HEADERS, *_CLIENT_DEFAULTS, *configured.keys()))
 
     def describe(self) -> str:
         return self.url.split("?")[0]
 
     async def _open(self) -> None:
         timeout = self._httpx.Timeout(self.publish_timeout, connect=self.connect_timeout)
-        limits = self._httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        limits = self._httpx.Limits(max_connections=None, max_keepalive_connections=_PARALLEL)
         options: dict[str, Any] = {"timeout": timeout, "limits": limits}
         options.update(self._options)
         self._client = self._httpx.AsyncClient(**options)
@@ -172,7 +181,7 @@ class WebhookSink(Sink):
             await self._client.aclose()
 
     def _message(self, event: Event) -> Message:
-        return Message.of(event, self.destination, render_url)
+        return Message.of(event, self.destination, render_url, self._reserved)
 
     def _message_problem(self, message: Message) -> str | None:
         headers = message.headers
@@ -193,10 +202,9 @@ class WebhookSink(Sink):
 
     def request_headers(self, message: Message, timestamp: int) -> dict[str, str | bytes]:
         # values that are not ASCII go as UTF-8 bytes (httpx would refuse the str)
+        # the names reserved are gone already (`Message.of`): no header below is doubled
         headers: dict[str, str | bytes] = {
-            k: v if v.isascii() else v.encode()
-            for k, v in message.headers.items()
-            if k.lower() not in _RESERVED
+            k: v if v.isascii() else v.encode() for k, v in message.headers.items()
         }
         headers["content-type"] = message.content_type
         headers["webhook-id"] = message.message_id
@@ -222,6 +230,20 @@ class WebhookSink(Sink):
         if 400 <= status < 500 and status not in (408, 429):
             raise Dead(detail)
         raise WebhookError(detail)
+
+    async def _send_many(self, messages: list[Message]) -> list[BaseException | None]:
+        """One request per event, at most ``_PARALLEL`` of a batch at once (the
+        client's pool keeps 64 connections alive); each with its own outcome."""
+        if len(messages) <= _PARALLEL:
+            return await super()._send_many(messages)
+        gate = asyncio.Semaphore(_PARALLEL)
+
+        async def one(message: Message) -> None:
+            async with gate:
+                await self._send(message)
+
+        results = await asyncio.gather(*map(one, messages), return_exceptions=True)
+        return [r if isinstance(r, Exception) else None for r in results]
 
     def _is_outage(self, exc: BaseException) -> bool:
         return False

@@ -1,9 +1,10 @@
-"""The operator dashboard: a web UI over one outbox (``pip install "aiooutbox[web]"``).
+"""The operator dashboard: a web UI over one outbox (the ``web`` extra).
 
 ``python -m aiooutbox dashboard --dsn DSN`` serves it; `create_app` returns the same
 ASGI application to mount in your own (``app.mount("/outbox", create_app(pool=pool))``).
 See docs/dashboard.md. The core library never imports this package; importing it
-without the ``web`` extra installed raises an ImportError that says what to install.
+without the ``web`` extra installed (``pip install -e '.[web]'`` in a clone of
+aiooutbox) raises an ImportError that says what to install.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from starlette.routing import Mount
 from starlette.staticfiles import StaticFiles
 
 from .._sql.statements import DEFAULT_SCHEMA, DEFAULT_TABLE
-from . import _actions, _flow, _pages
+from . import _actions, _flow, _groups, _pages
 from ._auth import (
     SESSION_COOKIE,
     BasicAuth,
@@ -46,8 +46,15 @@ _HEADERS = [
 ]
 
 
+async def _plain(send: Any, status: int, body: str, *extra: tuple[bytes, bytes]) -> None:
+    headers = [*_HEADERS, (b"content-type", b"text/plain; charset=utf-8"), *extra]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body.encode()})
+
+
 class Guard:
-    """ASGI middleware: permission, session cookie, security headers."""
+    """ASGI middleware: the Host, permission, session cookie, security headers; and
+    an answer with those headers even when a route fails."""
 
     def __init__(self, app: Any, dashboard: Dashboard) -> None:
         self.app = app
@@ -57,16 +64,46 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        raw_host = dict(scope.get("headers", ())).get(b"host")
+        host = None if raw_host is None else raw_host.decode("latin-1")
+        if not self.dashboard.allowed_hosts.allows(host, scope.get("server")):
+            await _plain(
+                send,
+                400,
+                f"this dashboard does not answer to the host {(host or '')[:100]!r}: open it by"
+                " its address or localhost, or allow the name (--allowed-host NAME,"
+                " create_app(allowed_hosts=[...]))\n",
+            )
+            return
+        started = False
+
+        async def watch(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self._guarded(scope, receive, watch)
+        except Exception as exc:
+            if started:
+                raise
+            # never Starlette's bare 500 (it carries none of our headers)
+            if isinstance(exc, asyncpg.DataError):  # a value the database refused
+                logger.info("dashboard request refused by the database: %s", exc)
+                await _plain(send, 400, f"the database refused a value of this request: {exc}\n")
+                return
+            logger.exception("dashboard request failed: %s %s", scope.get("method"), scope["path"])
+            await _plain(send, 500, "internal error: see the dashboard's log\n")
+
+    async def _guarded(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         permission, actor, challenge = await self.dashboard.permission(scope)
-        if challenge or permission == Permission.NONE:
-            status = 401 if challenge else 403
-            body = b"authentication required\n" if challenge else b"forbidden\n"
-            headers = [*_HEADERS, (b"content-type", b"text/plain; charset=utf-8")]
-            if challenge:
-                realm = getattr(self.dashboard.auth, "realm", "aiooutbox")
-                headers.append((b"www-authenticate", f'Basic realm="{realm}"'.encode()))
-            await send({"type": "http.response.start", "status": status, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
+        if challenge:
+            realm = getattr(self.dashboard.auth, "realm", "aiooutbox")
+            challenge_header = (b"www-authenticate", f'Basic realm="{realm}"'.encode())
+            await _plain(send, 401, "authentication required\n", challenge_header)
+            return
+        if permission == Permission.NONE:
+            await _plain(send, 403, "forbidden\n")
             return
         cookie = SimpleCookie()
         raw = dict(scope.get("headers", ())).get(b"cookie")
@@ -112,6 +149,7 @@ def create_app(
     refresh: float = 2.0,
     secret: bytes | None = None,
     title: str = "aiooutbox",
+    allowed_hosts: list[str] | tuple[str, ...] | None = None,
 ) -> Starlette:
     """The dashboard as an ASGI app (Starlette) to serve or mount.
 
@@ -123,6 +161,9 @@ def create_app(
     on a loopback socket with no proxy header and ``read`` otherwise. ``read_only``
     caps every request at ``read``. ``trace_url`` (containing ``{trace_id}``) links an
     event's trace. ``refresh`` is the live update interval in seconds.
+    ``allowed_hosts``: the names besides localhost and the address it is reached at
+    that a request's ``Host`` may carry (``ops.example.com``, ``.example.com`` for its
+    subdomains, ``*`` for any); any other is refused with 400 (DNS rebinding).
     """
     dashboard = Dashboard(
         dsn=dsn,
@@ -136,6 +177,7 @@ def create_app(
         refresh=refresh,
         secret=secret,
         title=title,
+        allowed_hosts=allowed_hosts,
     )
 
     @contextlib.asynccontextmanager
@@ -149,6 +191,7 @@ def create_app(
         *_pages.routes(),
         *_actions.routes(),
         *_flow.routes(),
+        *_groups.routes(),
         Mount("/static", app=StaticFiles(packages=[("aiooutbox.web", "static")]), name="static"),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 from ..errors import InvalidArgument
 
 __all__ = [
+    "AllowedHosts",
     "BasicAuth",
     "Permission",
     "Resolver",
@@ -167,6 +168,85 @@ async def resolve(resolver: Resolver, request: Any) -> Permission:
     if inspect.isawaitable(result):
         result = await result
     return Permission.parse(result)
+
+
+# -- the Host a request names (DNS rebinding) ------------------------------------------
+def host_of(value: str) -> str:
+    """The host of a ``Host`` header (or an allowed-host entry): without its port and
+    brackets, lower case, without a trailing dot."""
+    value = value.strip().lower()
+    if value.startswith("["):  # [v6] or [v6]:port
+        value = value[1 : value.find("]")] if "]" in value else value[1:]
+    elif value.count(":") == 1:  # name:port (a bare IPv6 address has several colons)
+        value = value.split(":", 1)[0]
+    return value.rstrip(".")
+
+
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
+
+
+class AllowedHosts:
+    """Which ``Host`` a request may name, against DNS rebinding: a page of another site
+    whose name was made to resolve to this address sends its own name as the Host, and
+    the browser then treats the dashboard as that site's (its pages, tokens and forms).
+
+    Allowed: ``localhost`` and its subdomains (``*.localhost`` resolves to loopback in
+    browsers), loopback addresses, the address the connection reached (the bound
+    address; a page on another name cannot send that, since its Host is its name), and
+    the configured names: exact, ``.example.com`` for every subdomain of it, or ``*``
+    for any (then the check is off, as Django's ``ALLOWED_HOSTS = ["*"]``)."""
+
+    def __init__(self, names: object = None) -> None:
+        if names is None:
+            names = ()
+        if isinstance(names, str) or not isinstance(names, (list, tuple, set, frozenset)):
+            raise InvalidArgument(
+                f"allowed_hosts must be a list of host names, not {type(names).__name__}"
+            )
+        exact: set[str] = set()
+        suffixes: list[str] = []
+        self.any = False
+        for raw in names:
+            if not isinstance(raw, str) or not raw.strip():
+                raise InvalidArgument(f"invalid allowed host {raw!r}: give a host name")
+            text = raw.strip().lower()
+            if text == "*":
+                self.any = True
+                continue
+            if any(c in text for c in "/@ \t?#") or text.startswith("http"):
+                raise InvalidArgument(
+                    f"invalid allowed host {raw!r}: a host name such as ops.example.com"
+                    " (no scheme, path or port; .example.com for every subdomain)"
+                )
+            if text.startswith("."):
+                suffixes.append(text.rstrip("."))
+            else:
+                exact.add(host_of(text))
+        self.exact = frozenset(exact)
+        self.suffixes = tuple(suffixes)
+
+    def allows(self, header: str | None, server: tuple[Any, ...] | None) -> bool:
+        """Whether a request may be answered: ``header`` is its Host (None: none was
+        sent, as HTTP/1.0 allows; no browser does), ``server`` the ASGI scope's."""
+        if self.any or header is None:
+            return True
+        host = host_of(header)
+        if host == "localhost" or host.endswith(".localhost") or host in self.exact:
+            return True
+        if any(host.endswith(s) or host == s[1:] for s in self.suffixes):
+            return True
+        address = _ip(host)
+        if address is not None and address.is_loopback:
+            return True
+        if server and isinstance(server[0], str):
+            bound = host_of(server[0]) if not server[0].startswith("/") else ""
+            if bound and (host == bound or (address is not None and address == _ip(bound))):
+                return True
+        return False
 
 
 # -- same origin and the per-session token ---------------------------------------------

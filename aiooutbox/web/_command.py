@@ -22,6 +22,7 @@ DEFAULT_PORT = 8040
 
 
 def add_dashboard_command(commands: Any, prog: str) -> None:
+    from .._values.extras import install_hint
     from ..cli.args import DURATION, HOST, PORT, env_default, env_flag, env_value
     from ..cli.options import add_command, add_database_options, add_logging_options
 
@@ -36,13 +37,16 @@ def add_dashboard_command(commands: Any, prog: str) -> None:
             --host 0.0.0.0
         {prog} dashboard --read-only --trace-url 'https://tempo.example.com/trace/{{trace_id}}'
         """,
-        """
-        Needs the web extra: pip install "aiooutbox[web]". Permissions are read and
-        write. With credentials (--users-file, lines of name:permission:password; or
-        AIOOUTBOX_DASHBOARD_USER and AIOOUTBOX_DASHBOARD_PASSWORD, with
-        AIOOUTBOX_DASHBOARD_PERMISSION read or write, default write) every request
-        must log in with HTTP Basic. Without them: read and write on a loopback bind,
-        read-only on any other. --read-only makes everyone read-only.
+        f"""
+        Needs the web extra:
+          {install_hint("web")}
+
+        Permissions are read and write. With credentials (--users-file, lines of
+        name:permission:password; or AIOOUTBOX_DASHBOARD_USER and
+        AIOOUTBOX_DASHBOARD_PASSWORD, with AIOOUTBOX_DASHBOARD_PERMISSION read or write,
+        default write) every request must log in with HTTP Basic. Without them: read
+        and write on a loopback bind, read-only on any other. --read-only makes everyone
+        read-only.
         """,
     )
     cmd.set_defaults(func=cmd_dashboard)
@@ -86,8 +90,22 @@ def add_dashboard_command(commands: Any, prog: str) -> None:
         help="live update interval: one cheap query each, shared by every open page "
         "(env AIOOUTBOX_DASHBOARD_REFRESH; default 2s)",
     )
+    cmd.add_argument(
+        "--allowed-host",
+        dest="allowed_hosts",
+        action="append",
+        metavar="NAME",
+        default=_split(env_value("AIOOUTBOX_DASHBOARD_ALLOWED_HOSTS")),
+        help="a host name browsers may reach it by, besides localhost and its address "
+        "(repeat for several; .example.com: every subdomain; env "
+        "AIOOUTBOX_DASHBOARD_ALLOWED_HOSTS, comma-separated); any other Host is refused",
+    )
     add_database_options(cmd)
     add_logging_options(cmd, "info")
+
+
+def _split(value: str | None) -> list[str] | None:
+    return [v.strip() for v in value.split(",") if v.strip()] if value else None
 
 
 def _access(args: argparse.Namespace) -> tuple[Any, Any, str]:
@@ -114,6 +132,19 @@ def _access(args: argparse.Namespace) -> tuple[Any, Any, str]:
         f"READ-ONLY: bound to {args.host}, not loopback, and no credentials are set "
         "(set --users-file or AIOOUTBOX_DASHBOARD_USER/PASSWORD to allow actions)",
     )
+
+
+def _hosts(args: argparse.Namespace) -> list[str]:
+    """The allowed names: those given, and the bound name when it is one (an address
+    needs no entry: a request that reached it may name it)."""
+    import ipaddress
+
+    hosts = list(args.allowed_hosts or ())
+    try:
+        ipaddress.ip_address(args.host)
+    except ValueError:
+        hosts.append(args.host)
+    return hosts
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -178,6 +209,7 @@ async def cmd_dashboard(args: argparse.Namespace) -> int:
                 anonymous=anonymous,
                 trace_url=args.trace_url,
                 refresh=args.refresh,
+                allowed_hosts=_hosts(args),
             )
         except InvalidArgument as exc:
             raise UsageError(str(exc)) from None

@@ -13,6 +13,7 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 
 from ..errors import InvalidArgument
 from ._auth import (
+    AllowedHosts,
     BasicAuth,
     Permission,
     Resolver,
@@ -21,6 +22,7 @@ from ._auth import (
     proxied,
     resolve,
 )
+from ._data import PastHours
 from ._live import Cache, LiveHub
 from ._sql import web_queries
 
@@ -46,6 +48,7 @@ class Dashboard:
         refresh: float,
         secret: bytes | None,
         title: str,
+        allowed_hosts: object = None,
     ) -> None:
         if (dsn is None) == (pool is None):
             raise InvalidArgument("create_app needs exactly one of dsn=... or pool=...")
@@ -58,6 +61,7 @@ class Dashboard:
                 "trace_url must be an http(s) URL containing {trace_id}, e.g. "
                 "https://tempo.example.com/trace/{trace_id}"
             )
+        self.allowed_hosts = AllowedHosts(allowed_hosts)
         self.w = web_queries(schema, table)
         self.dsn = dsn
         self._pool = pool
@@ -69,7 +73,9 @@ class Dashboard:
         self.title = title
         self.tokens = Tokens(secret)
         self.hub = LiveHub(self.connection, self.w, float(refresh))
-        self.cache = Cache(float(refresh), self.hub.read_pulse)
+        self.cache = Cache(float(refresh), self.hub.read_pulse)  # each view's data
+        self.counts = Cache(float(refresh), self.hub.read_pulse)  # the exact backlog
+        self.past_hours = PastHours()  # the day's per-minute counts, hour by hour
         self.templates = Environment(
             loader=PackageLoader("aiooutbox.web", "templates"),
             autoescape=select_autoescape(default=True, default_for_string=True),
@@ -98,9 +104,16 @@ class Dashboard:
         async with pool.acquire() as conn:
             yield conn
 
+    def changed(self) -> None:
+        """An action changed the outbox: every page reads it again."""
+        self.cache.clear()
+        self.counts.clear()
+
     async def aclose(self) -> None:
         """Stop the live updates; close the pool if the dashboard opened it."""
         await self.hub.close()
+        await self.counts.close()
+        await self.cache.close()
         pool, self._pool = self._pool, None
         if pool is not None and self._own_pool:
             await pool.close()

@@ -1,30 +1,41 @@
-"""What each page shows, read from PostgreSQL with the dashboard's bounded statements."""
+"""What the overview and the consumers page show, read with the dashboard's bounded
+statements; the backlog comes exact from `_backlog` (cached with the pulse), the
+numbers over time from the consumers' per-minute counts (``<table>_rollups``)."""
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
 import asyncpg
 
-from .._admin.counts import SAMPLE_PAGES, sample_percent
-from .._admin.records import STATUSES
+from .._admin.counts import sample_percent
 from .._engine.watchdog import MvccReport, inspect_mvcc
 from .._sql.flow import ALL_TOPICS, flow_queries
-from ._counts import BOUND, Count, bounded, estimate_rows, estimated, exact
-from ._filters import PAGE, WINDOW, EventFilter
+from ._backlog import Backlog
+from ._counts import BOUND, Count, estimated, exact
 from ._sql import WebQueries
 from ._workers import Worker, read_workers
 
-__all__ = ["Overview", "TopicRow", "event_page", "load_event", "overview"]
+__all__ = [
+    "STATES",
+    "Overview",
+    "TopicRow",
+    "age",
+    "consumers",
+    "overview",
+    "when",
+    "with_backlog",
+    "PastHours",
+]
 
+# the states the dashboard counts: `pending` is due now, `scheduled` is pending and
+# not due yet, `retry` failed and waits for its next attempt (due or not)
+STATES = ("pending", "scheduled", "retry", "processing", "waiting", "done", "dead")
 HOUR = 3600.0
 DAY = 86400.0
-# how long a page may spend counting its matches exactly before it estimates
-COUNT_TIME = 0.1
 
 
 @dataclass
@@ -34,6 +45,7 @@ class TopicRow:
 
     topic: str
     pending: Count = field(default_factory=lambda: exact(0))
+    scheduled: Count = field(default_factory=lambda: exact(0))
     retry: Count = field(default_factory=lambda: exact(0))
     due: Count = field(default_factory=lambda: exact(0))
     processing: Count = field(default_factory=lambda: exact(0))
@@ -41,111 +53,141 @@ class TopicRow:
     dead: Count = field(default_factory=lambda: exact(0))
     done: Count = field(default_factory=lambda: exact(0))
     lag: float | None = None
+    oldest: float | None = None  # epoch seconds the oldest due event became due
     done_hour: Count = field(default_factory=lambda: exact(0))
     done_day: Count = field(default_factory=lambda: exact(0))
+    failed_hour: Count = field(default_factory=lambda: exact(0))
     died_day: Count = field(default_factory=lambda: exact(0))
     extra: dict[str, str] = field(default_factory=dict)
+    consumed: bool = True  # False: due events and no consumer in sight
+
+    @property
+    def paused(self) -> bool:
+        return self.extra.get("flow", "").startswith("paused")
+
+    @property
+    def unconsumed(self) -> bool:
+        """Due events that nothing consumes (a paused topic waits by design)."""
+        return bool(self.due) and not self.consumed and not self.paused
 
 
 @dataclass
 class Overview:
     topics: list[TopicRow]
     totals: dict[str, Count]
-    done_hour: Count
-    done_day: Count
-    hourly: list[Count]  # done per hour, oldest first, the last 24 hours
+    hourly: list[tuple[int, int]]  # (done, failed) per hour, oldest first, the last 24
     workers: list[Worker]
     listeners: list[dict[str, Any]]
     hidden_sessions: int
     mvcc: MvccReport
     table_rows: Count
+    backlog: Backlog | None = None
     extra_columns: list[tuple[str, str]] = field(default_factory=list)
     all_paused: bool = False  # `aiooutbox.admin.pause_all` holds every topic
     flow_unreadable: str | None = None  # why the flow columns are missing
     registry_unreadable: str | None = None  # why concurrency, host and heartbeat are missing
+    rollups_unreadable: str | None = None  # why the numbers over time are missing
+
+    @property
+    def unconsumed(self) -> list[TopicRow]:
+        return [t for t in self.topics if t.unconsumed]
+
+    @property
+    def hourly_done(self) -> list[Count]:
+        return [exact(d) for d, _ in self.hourly]
+
+    @property
+    def hourly_failed(self) -> list[int]:
+        return [f for _, f in self.hourly]
 
 
-async def _sample(conn: Any, w: WebQueries) -> tuple[float, bool, list[Any]]:
-    """Rows by topic and status in a random sample of about `SAMPLE_PAGES` pages
+async def done_sample(conn: Any, w: WebQueries) -> dict[str, Count]:
+    """``done`` rows by topic from a random sample of about `SAMPLE_PAGES` pages
     (every page of a small table: then the numbers are exact)."""
     pages = await conn.fetchval(w.pages, w.outbox.qualified)
     percent = sample_percent(pages)
-    sample = await conn.fetch(w.sample, percent, float(int(time.time() // 600)))
-    return 100.0 / percent, percent >= 100.0, sample
+    rows = await conn.fetch(w.sample, percent, float(int(time.time() // 600)))
+    scale = 100.0 / percent
+    if percent >= 100.0:
+        return {t: exact(n) for t, n in rows}
+    return {t: estimated(n * scale) for t, n in rows}
 
 
-async def overview(conn: Any, w: WebQueries) -> Overview:
-    q = w.outbox
+class PastHours:
+    """The per-minute counts of the day's past hours, by topic and hour: they no longer
+    change once an hour is over (and its last flush, within a quarter-minute, is in), so
+    they are read once an hour; the current hour is read with every overview."""
+
+    GRACE = 60.0  # seconds into an hour before the one that ended is read for good
+
+    def __init__(self) -> None:
+        self._hour = -1.0
+        self._rows: list[Any] = []
+
+    async def read(self, conn: Any, w: WebQueries) -> list[Any]:
+        now = time.time()
+        hour = (now - self.GRACE) // 3600
+        if hour != self._hour or now % 3600 < self.GRACE:
+            self._rows = list(await conn.fetch(w.rollups_past_hours))
+            self._hour = hour
+        return self._rows
+
+
+async def overview(conn: Any, w: WebQueries, past: PastHours | None = None) -> Overview:
+    """Everything but the backlog, which `with_backlog` adds (each has a cache of its
+    own: a page may show a view with the latest count of the backlog)."""
     topics: dict[str, TopicRow] = {}
 
     def row(name: str) -> TopicRow:
         return topics.setdefault(name, TopicRow(name))
 
-    # 1. every number from a sample of the table (exact when the sample is the table)
-    scale, whole, sample = await _sample(conn, w)
-
-    def counted(n: float) -> Count:
-        return exact(int(n)) if whole else estimated(n * scale)
-
-    hourly = [0] * 24
-    for topic, status, hour, n, died, due in sample:
-        r = row(topic)
-        if status in STATUSES:
-            setattr(r, status, getattr(r, status) + counted(n))
-        if hour is not None:
-            r.done_day += counted(n)
-            if hour == 0:
-                r.done_hour += counted(n)
-            hourly[min(max(hour, 0), 23)] += n
-        r.died_day += counted(died)
-        r.due += counted(due)
-    hourly_counts = [counted(hourly[h]) for h in range(23, -1, -1)]
-
-    # 2. exact counts wherever an index reaches the rows within the bound
-    # (skipped when the sample already shows far more than the bound)
-    def few(*names: str) -> bool:
-        total: int = sum(getattr(r, n).value for r in topics.values() for n in names)
-        return total < 2 * BOUND
-
-    if not whole:
-        if few("pending", "retry") and await conn.fetchval(w.claimable_count, BOUND) < BOUND:
-            for r in topics.values():
-                r.pending = r.retry = r.due = exact(0)
-            for topic, pending, retry, due in await conn.fetch(w.claimable_by_topic):
-                r = row(topic)
-                r.pending, r.retry, r.due = exact(pending), exact(retry), exact(due)
-        for status, sql in (
-            ("processing", w.processing_by_topic),
-            ("waiting", w.waiting_by_topic),
-        ):
-            found = {t: int(n) for t, n in await conn.fetch(sql, BOUND)}
-            if sum(found.values()) < BOUND:
-                for r in topics.values():
-                    setattr(r, status, exact(found.pop(r.topic, 0)))
-                for topic, n in found.items():
-                    setattr(row(topic), status, exact(n))
-        dead = {t: (int(n), int(d)) for t, n, d in await conn.fetch(w.dead_by_topic, BOUND)}
-        if sum(n for n, _ in dead.values()) < BOUND:
-            for r in topics.values():
-                r.dead, r.died_day = (exact(x) for x in dead.pop(r.topic, (0, 0)))
-            for topic, (n, d) in dead.items():
-                row(topic).dead, row(topic).died_day = exact(n), exact(d)
-        if few("done_day") and await conn.fetchval(w.finished_since, DAY, BOUND) < BOUND:
-            for r in topics.values():
-                r.done_hour = r.done_day = exact(0)
-            by_hour = [0] * 24
-            for topic, h, n in await conn.fetch(w.finished_by_topic, DAY):
-                r = row(topic)
-                r.done_day = exact(r.done_day.value + n)
-                if h == 0:
-                    r.done_hour = exact(r.done_hour.value + n)
-                by_hour[min(max(h, 0), 23)] += n
-            hourly_counts = [exact(by_hour[h]) for h in range(23, -1, -1)]
+    # 1. `done` from the page sample
+    for topic, n in (await done_sample(conn, w)).items():
+        row(topic).done = n
+    # 2. running and waiting: exact below the bound (processing rows are few; waiting
+    # ones are read through the key index)
+    for status, sql in (("processing", w.processing_by_topic), ("waiting", w.waiting_by_topic)):
+        found = {t: int(c) for t, c in await conn.fetch(sql, BOUND)}
+        whole = sum(found.values()) < BOUND
+        for topic, c in found.items():
+            setattr(row(topic), status, exact(c) if whole else estimated(c))
     # 3. the lag of every topic with claimable events, exact (a skip scan)
-    for topic, lag in await conn.fetch(w.topic_lags):
-        row(topic).lag = lag if lag is not None and lag >= 0 else None
-
-    # 4. flow control: the controls table holds a row per paused or limited topic
+    for topic, lag, oldest in await conn.fetch(w.topic_lags):
+        if lag is not None and lag >= 0:
+            row(topic).lag, row(topic).oldest = lag, oldest
+    # 4. over time: what the consumers counted, per minute (survives retention, purges)
+    hourly: list[tuple[int, int]] = [(0, 0)] * 24
+    rollups_unreadable = None
+    try:
+        per_hour = [[0, 0] for _ in range(24)]
+        days: dict[str, list[int]] = {}
+        for topic, hours_ago, done, failed, dead in await (past or PastHours()).read(conn, w):
+            day = days.setdefault(topic, [0, 0, 0, 0])
+            day[0] += done
+            day[1] += dead
+            if 0 < hours_ago < 24:
+                per_hour[23 - hours_ago][0] += done
+                per_hour[23 - hours_ago][1] += failed
+        for topic, this_hour, done, failed, dead in await conn.fetch(w.rollups_last_hour):
+            day = days.setdefault(topic, [0, 0, 0, 0])
+            day[2] += done
+            day[3] += failed
+            if this_hour:
+                day[0] += done
+                day[1] += dead
+                per_hour[23][0] += done
+                per_hour[23][1] += failed
+        for topic, (done_day, died_day, done_hour, failed_hour) in days.items():
+            r = row(topic)
+            r.done_day, r.died_day = exact(done_day), exact(died_day)
+            r.done_hour, r.failed_hour = exact(done_hour), exact(failed_hour)
+        hourly = [(d, f) for d, f in per_hour]
+    except (asyncpg.InsufficientPrivilegeError, asyncpg.UndefinedTableError):
+        rollups_unreadable = (
+            f"this dashboard's database role may not read {w.outbox.table}_rollups (or the"
+            " outbox is not migrated): GRANT SELECT on it to show the numbers over time"
+        )
+    # 5. flow control: the controls table holds a row per paused or limited topic
     try:
         all_paused, flow_unreadable = await _flow_controls(conn, w, topics, row), None
     except asyncpg.InsufficientPrivilegeError:
@@ -154,18 +196,67 @@ async def overview(conn: Any, w: WebQueries) -> Overview:
             f"this dashboard's database role may not read {w.outbox.table}_flow: GRANT SELECT"
             " on it to show each topic's pause and limits"
         )
-
     workers, listeners, hidden = await _consumers(conn, w)
-    mvcc = await inspect_mvcc(conn, q)
+    mvcc = await inspect_mvcc(conn, w.outbox)
     rows = sorted(topics.values(), key=lambda r: r.topic)
-    o = _overview(rows, hourly_counts, workers, listeners, hidden, mvcc)
+    mark_consumed(rows, workers[0])
+    o = _overview(rows, hourly, workers, listeners, hidden, mvcc)
     if flow_unreadable is None:
         o.extra_columns = list(FLOW_COLUMNS)
     o.all_paused, o.flow_unreadable = all_paused, flow_unreadable
+    o.rollups_unreadable = rollups_unreadable
     return o
 
 
+def with_backlog(o: Overview, backlog: Backlog) -> Overview:
+    """``o`` with the backlog's counts (pending, scheduled, retrying, due, dead), the
+    topics only the backlog knows added."""
+    rows = {r.topic: replace(r, extra=dict(r.extra)) for r in o.topics}
+    for topic in backlog.topics:
+        if topic not in rows:
+            rows[topic] = TopicRow(topic, consumed=any(handles(x, topic) for x in o.workers))
+            if o.extra_columns:
+                flow = "paused (every topic)" if o.all_paused else ""
+                rows[topic].extra = {"flow": flow}
+    for r in rows.values():
+        b = backlog.of(r.topic)
+        r.pending, r.scheduled, r.retry, r.due, r.dead = (
+            b.pending,
+            b.scheduled,
+            b.retry,
+            b.due,
+            b.dead,
+        )
+    ordered = sorted(rows.values(), key=lambda r: r.topic)
+    merged = _overview(
+        ordered,
+        o.hourly,
+        (o.workers, o.registry_unreadable),
+        o.listeners,
+        o.hidden_sessions,
+        o.mvcc,
+    )
+    merged.backlog = backlog
+    merged.extra_columns, merged.all_paused = o.extra_columns, o.all_paused
+    merged.flow_unreadable, merged.rollups_unreadable = o.flow_unreadable, o.rollups_unreadable
+    return merged
+
+
 FLOW_COLUMNS = (("flow", "flow"), ("max_running", "max running"), ("rate", "rate"))
+
+
+def handles(worker: Worker, topic: str) -> bool:
+    """Whether ``worker`` (alive, or seen through its leases or idle advert) consumes
+    ``topic``; a consumer with a ``*`` handler consumes every topic."""
+    if worker.state == "gone":
+        return False
+    shown = worker.shown_topics
+    return "*" in shown or topic in shown or topic in worker.topics
+
+
+def mark_consumed(rows: list[TopicRow], workers: list[Worker]) -> None:
+    for r in rows:
+        r.consumed = any(handles(w, r.topic) for w in workers)
 
 
 async def _flow_controls(conn: Any, w: WebQueries, topics: dict[str, TopicRow], row: Any) -> bool:
@@ -189,7 +280,10 @@ async def _flow_controls(conn: Any, w: WebQueries, topics: dict[str, TopicRow], 
 
 async def consumers(conn: Any, w: WebQueries) -> Overview:
     """What the consumers page shows: the overview's consumers, listeners and lags."""
-    topics = [TopicRow(topic, lag=lag) for topic, lag in await conn.fetch(w.topic_lags)]
+    topics = [
+        TopicRow(topic, lag=lag, oldest=oldest)
+        for topic, lag, oldest in await conn.fetch(w.topic_lags)
+    ]
     workers, listeners, hidden = await _consumers(conn, w)
     return _overview(topics, [], workers, listeners, hidden, MvccReport())
 
@@ -216,7 +310,7 @@ async def _consumers(
 
 def _overview(
     rows: list[TopicRow],
-    hourly_counts: list[Count],
+    hourly: list[tuple[int, int]],
     workers: tuple[list[Worker], str | None],
     listeners: list[dict[str, Any]],
     hidden: int,
@@ -224,194 +318,23 @@ def _overview(
 ) -> Overview:
     totals = {
         name: sum((getattr(r, name) for r in rows), exact(0))
-        for name in (
-            "pending",
-            "retry",
-            "due",
-            "processing",
-            "waiting",
-            "dead",
-            "died_day",
-            "done",
-            "done_hour",
-            "done_day",
-        )
+        for name in (*STATES, "due", "died_day", "done_hour", "done_day", "failed_hour")
     }
     return Overview(
         topics=rows,
         totals=totals,
-        done_hour=totals["done_hour"],
-        done_day=totals["done_day"],
-        hourly=hourly_counts,
+        hourly=hourly,
         workers=workers[0],
         registry_unreadable=workers[1],
         listeners=listeners,
         hidden_sessions=hidden,
         mvcc=mvcc,
-        table_rows=sum((getattr(r, s) for r in rows for s in STATUSES), exact(0)),
+        table_rows=sum((totals[s] for s in STATES), exact(0)),
     )
-
-
-# -- events ---------------------------------------------------------------------------
-@dataclass
-class EventPage:
-    rows: list[dict[str, Any]]
-    count: Count
-    next_before: int | None  # the cursor of the next (older) page, if any
-    window: tuple[int, int] | None  # ids searched, when the filter needs a window
-    newest: int | None
-
-
-def _where(w: WebQueries, f: EventFilter, **kwargs: Any) -> tuple[str, list[Any]]:
-    return f.where(**kwargs)
-
-
-async def count_matching(conn: Any, w: WebQueries, f: EventFilter) -> Count:
-    """How many events match: counted exactly when an index (or a table of at most
-    `SAMPLE_PAGES` pages) finds fewer than `BOUND` within `COUNT_TIME`, else the
-    planner's estimate."""
-    where, args = _where(w, f, cursor=False)
-    if not f.indexed and await conn.fetchval(w.pages, w.outbox.qualified) > SAMPLE_PAGES:
-        # no index to follow and too many rows to read: the planner's word
-        return estimated(await estimate_rows(conn, w.explain_count(where), *args))
-    try:
-        async with conn.transaction():
-            await conn.execute(f"SET LOCAL statement_timeout = {int(COUNT_TIME * 1000)}")
-            n = int(await conn.fetchval(w.event_count(where, len(args) + 1), *args, BOUND))
-    except asyncpg.QueryCanceledError:
-        n = BOUND
-    if n < BOUND:
-        return exact(n)
-    return bounded(BOUND, BOUND, await estimate_rows(conn, w.explain_count(where), *args))
-
-
-async def event_page(conn: Any, w: WebQueries, f: EventFilter, *, size: int = PAGE) -> EventPage:
-    newest = await conn.fetchval(f"SELECT max(id) FROM {w.t}")
-    window = None
-    floor = None
-    if not f.indexed and newest is not None:
-        top = f.before if f.before is not None else newest + 1
-        floor = max(top - WINDOW, 0)
-        window = (floor, top)
-    where, args = _where(w, f, floor=floor)
-    rows = await conn.fetch(w.event_list(where, len(args) + 1), *args, size + 1)
-    more = len(rows) > size
-    rows = rows[:size]
-    if more:
-        next_before = rows[-1][0]
-    elif window is not None and window[0] > 0:
-        next_before = window[0]  # nothing more in this window: search the older one
-    else:
-        next_before = None
-    keys = [
-        "id",
-        "topic",
-        "status",
-        "ordering_key",
-        "dedupe_key",
-        "attempts",
-        "max_attempts",
-        "created_at",
-        "available_at",
-        "finished_at",
-        "last_error",
-        "locked_by",
-    ]
-    return EventPage(
-        rows=[dict(zip(keys, r, strict=True)) for r in rows],
-        count=await count_matching(conn, w, f),
-        next_before=next_before,
-        window=window,
-        newest=newest,
-    )
-
-
-@dataclass
-class EventDetail:
-    fields: dict[str, Any]
-    payload: str
-    headers: str
-    trace_id: str | None
-    ahead: Count | None = None  # unfinished events of its key before it
-    head: int | None = None
-
-
-def pretty(text: str) -> str:
-    try:
-        return json.dumps(json.loads(text), indent=2, ensure_ascii=False, sort_keys=True)
-    except ValueError:
-        return text
-
-
-def trace_id_of(headers: str) -> str | None:
-    """The trace id of a W3C ``traceparent`` header, if well formed."""
-    try:
-        parent = json.loads(headers).get("traceparent")
-    except (ValueError, AttributeError):
-        return None
-    if not isinstance(parent, str):
-        return None
-    parts = parent.split("-")
-    trace = parts[1] if len(parts) >= 4 else ""
-    if len(trace) == 32 and all(c in "0123456789abcdef" for c in trace) and trace != "0" * 32:
-        return trace
-    return None
-
-
-async def load_event(conn: Any, w: WebQueries, event_id: int) -> EventDetail | None:
-    r = await conn.fetchrow(w.event, event_id)
-    if r is None:
-        return None
-    names = [
-        "id",
-        "topic",
-        "status",
-        "ordering_key",
-        "dedupe_key",
-        "attempts",
-        "max_attempts",
-        "created_at",
-        "available_at",
-        "updated_at",
-        "finished_at",
-        "locked_by",
-        "locked_at",
-        "lease_expires_at",
-        "last_error",
-    ]
-    detail = EventDetail(
-        fields={n: r[n] for n in names} | {"message_id": r["message_id"]},
-        payload=pretty(r["payload"]),
-        headers=pretty(r["headers"]),
-        trace_id=trace_id_of(r["headers"]),
-    )
-    key = r["ordering_key"]
-    if key is not None and (r["status"] in ("pending", "retry", "processing", "waiting")):
-        n, head = await conn.fetchrow(w.key_position, key, event_id, BOUND)
-        detail.ahead = Count(int(n), n < BOUND)
-        detail.head = head
-    return detail
-
-
-async def blocked_keys(conn: Any, w: WebQueries, limit: int = 200) -> list[dict[str, Any]]:
-    heads = [dict(r.items()) for r in await conn.fetch(w.blocked_heads, limit)]
-    if heads:
-        keys = [h["ordering_key"] for h in heads]
-        waiting = {k: int(n) for k, n in await conn.fetch(w.waiting_of_keys, keys, BOUND)}
-        for h in heads:
-            n = waiting.get(h["ordering_key"], 0)
-            h["waiting"] = Count(n, n < BOUND)
-    return heads
-
-
-async def audit_entries(
-    conn: Any, w: WebQueries, before: int | None, limit: int = 100
-) -> list[dict[str, Any]]:
-    return [dict(r.items()) for r in await conn.fetch(w.audit_list, before, limit)]
 
 
 def age(seconds: float | None) -> str:
-    """``3s``, ``4m 05s``, ``2h 10m``, ``3d 4h``."""
+    """``3s``, ``4m 05s``, ``2h 10m``, ``3d 4h`` (`static/dashboard.js` ticks the same)."""
     if seconds is None:
         return "\N{EN DASH}"
     s = int(seconds)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 
+from .._values.extras import install_hint
+
 __all__ = ["MissingExtra", "require"]
 
 NEEDED = {"starlette": "starlette", "jinja2": "jinja2", "multipart": "python-multipart"}
@@ -20,6 +22,4 @@ def require(server: bool = False) -> None:
         needed["uvicorn"] = "uvicorn"
     missing = [pip for module, pip in needed.items() if importlib.util.find_spec(module) is None]
     if missing:
-        raise MissingExtra(
-            f'the dashboard needs {", ".join(missing)}: pip install "aiooutbox[web]"'
-        )
+        raise MissingExtra(f"the dashboard needs {', '.join(missing)}: {install_hint('web')}")

@@ -9,21 +9,29 @@ the matches (the page offers the next, older window).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any
 from urllib.parse import urlencode
 
-from .._admin.records import STATUSES
+from ._input import BadInput, json_object, stored_text, utc_time, whole_number
 
 __all__ = ["EventFilter", "FilterError", "parse_filter"]
 
 WINDOW = 50_000
 PAGE = 50
+# the states a filter may name: `pending` is due now, `scheduled` pending and not due
+# yet (the table's status is pending for both)
+STATES = ("pending", "scheduled", "retry", "processing", "waiting", "done", "dead")
 # statuses a partial index covers: filtering on them reads only their rows
-INDEXED_STATUSES = frozenset({"pending", "retry", "processing", "waiting", "dead"})
+INDEXED_STATUSES = frozenset({"pending", "scheduled", "retry", "processing", "waiting", "dead"})
+# the WHERE of each state: literals from this fixed set, not parameters (only a
+# constant lets the planner prove a partial index's predicate, and so use that index)
+_STATE_SQL = {
+    "pending": "status = 'pending' AND available_at <= now()",
+    "scheduled": "status = 'pending' AND available_at > now()",
+}
 _MAX_TEXT = 1000
 
 
@@ -65,8 +73,8 @@ class EventFilter:
             value = getattr(self, f.name)
             if value is None or value == "":
                 continue
-            if isinstance(value, datetime):
-                value = value.strftime("%Y-%m-%dT%H:%M:%S")
+            if isinstance(value, datetime):  # UTC, as the form's fields are
+                value = value.replace(tzinfo=None).isoformat(timespec="seconds")
             out[f.name] = str(value)
         return out
 
@@ -90,15 +98,13 @@ class EventFilter:
             args.append(value)
             parts.append(fragment.replace("$?", f"${first + len(args) - 1}"))
 
-        if self.status in STATUSES:
-            # a literal from the fixed set, not a parameter: only a constant lets the
-            # planner prove a partial index's predicate (and so use that index)
-            parts.append(f"status = '{self.status}'")
+        if self.status in STATES:
+            parts.append(_STATE_SQL.get(self.status, f"status = '{self.status}'"))
         if self.topic:
             add("topic = $?", self.topic)
         if self.ordering_key:
             add("ordering_key = $?", self.ordering_key)
-            if self.status in ("pending", "retry", "processing", "waiting"):
+            if self.status in ("pending", "scheduled", "retry", "processing", "waiting"):
                 parts.append("ordering_key IS NOT NULL")
         if self.dedupe_key:
             add("dedupe_key = $?", self.dedupe_key)
@@ -128,20 +134,21 @@ def _text(name: str, value: str, problems: list[str]) -> str:
     if len(value) > _MAX_TEXT:
         problems.append(f"{name} is longer than {_MAX_TEXT} characters")
         return ""
-    if "\x00" in value:
-        problems.append(f"{name} contains a NUL character")
+    try:
+        return stored_text(value, name)
+    except BadInput as exc:
+        problems.append(str(exc))
         return ""
-    return value
 
 
 def _int(name: str, value: str, problems: list[str]) -> int | None:
-    value = value.strip()
-    if not value:
+    if not value.strip():
         return None
-    if not value.isdigit() or len(value) > 19 or int(value) > 2**63 - 1:
-        problems.append(f"{name} must be a positive whole number")
+    try:
+        return whole_number(value, name)
+    except BadInput as exc:
+        problems.append(str(exc))
         return None
-    return int(value)
 
 
 def _time(name: str, value: str, problems: list[str]) -> datetime | None:
@@ -149,11 +156,10 @@ def _time(name: str, value: str, problems: list[str]) -> datetime | None:
     if not value:
         return None
     try:
-        parsed = datetime.fromisoformat(value)
-    except ValueError:
-        problems.append(f"{name} must be a date and time, like 2026-01-31T12:00 (UTC)")
+        return utc_time(stored_text(value, name), name)
+    except BadInput as exc:
+        problems.append(str(exc))
         return None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
 
 
 def _json(name: str, value: str, problems: list[str]) -> str:
@@ -161,22 +167,18 @@ def _json(name: str, value: str, problems: list[str]) -> str:
     if not value:
         return ""
     try:
-        parsed = json.loads(value)
-    except ValueError as exc:
-        problems.append(f"{name} is not valid JSON: {exc}")
+        return json_object(value, name)
+    except BadInput as exc:
+        problems.append(str(exc))
         return ""
-    if not isinstance(parsed, dict):
-        problems.append(f'{name} must be a JSON object, like {{"customer": "c-1"}}')
-        return ""
-    return json.dumps(parsed)
 
 
 def parse_filter(query: Mapping[str, str], *, status: str | None = None) -> EventFilter:
     """The filter a query string describes; mistakes are collected in ``errors``."""
     problems: list[str] = []
     chosen = status if status is not None else query.get("status", "").strip()
-    if chosen and chosen not in STATUSES:
-        problems.append(f"status must be one of {', '.join(STATUSES)}")
+    if chosen and chosen not in STATES:
+        problems.append(f"status must be one of {', '.join(STATES)}")
         chosen = ""
     return EventFilter(
         topic=_text("topic", query.get("topic", ""), problems),

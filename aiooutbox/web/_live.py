@@ -110,14 +110,34 @@ class Cache:
         self._pulse = pulse
         self._entries: dict[tuple[Any, ...], tuple[float, tuple[Any, str]]] = {}
         self._locks: dict[tuple[Any, ...], asyncio.Lock] = {}
+        self._refreshing: dict[tuple[Any, ...], asyncio.Task[None]] = {}
 
     async def get(
-        self, key: tuple[Any, ...], load: Callable[[], Awaitable[Any]]
+        self, key: tuple[Any, ...], load: Callable[[], Awaitable[Any]], *, stale: bool = False
     ) -> tuple[Any, str]:
-        """The view's data and the pulse read just before it (what it is current to)."""
+        """The view's data and the pulse read just before it (what it is current to).
+
+        ``stale``: once read, an expired entry is returned as it is while a task reads
+        it again (the page does not wait; it asks again when its pulse is behind)."""
         hit = self._entries.get(key)
         if hit is not None and hit[0] > time.monotonic():
             return hit[1]
+        if hit is not None and stale:
+            task = self._refreshing.get(key)
+            if task is None or task.done():
+                self._refreshing[key] = asyncio.create_task(self._refresh(key, load))
+            return hit[1]
+        return await self._load(key, load)
+
+    async def _refresh(self, key: tuple[Any, ...], load: Callable[[], Awaitable[Any]]) -> None:
+        try:
+            await self._load(key, load)
+        except Exception as exc:  # the stale value stays; the next page tries again
+            logger.warning("dashboard view %s not read (%s: %s)", key[0], type(exc).__name__, exc)
+
+    async def _load(
+        self, key: tuple[Any, ...], load: Callable[[], Awaitable[Any]]
+    ) -> tuple[Any, str]:
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
             hit = self._entries.get(key)
@@ -137,3 +157,13 @@ class Cache:
 
     def clear(self) -> None:
         self._entries.clear()
+
+    async def close(self) -> None:
+        """Stop the reads under way in the background."""
+        tasks = [t for t in self._refreshing.values() if not t.done()]
+        self._refreshing.clear()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -65,46 +65,53 @@ class WebQueries:
     def sample(self) -> str:
         # $1 percent of the table's pages, chosen at random by the seed $2 (TABLESAMPLE
         # SYSTEM; one seed for ten minutes: the same pages, cached, and numbers that do
-        # not jitter between refreshes): rows by
-        # topic, status and, for those done in the last day, the hour they finished in
-        # (0 = this hour); died in the last day; due now. 100 percent reads every row.
+        # not jitter between refreshes): done rows by topic, the one number no index
+        # gives cheaply. 100 percent reads every row.
         return (
-            "SELECT topic, status::text, hour, count(*),"
-            " count(*) FILTER (WHERE status = 'dead' AND finished_at > now() - interval '1 day'),"
-            " count(*) FILTER (WHERE status IN ('pending', 'retry') AND available_at <= now())"
-            " FROM (SELECT topic, status, finished_at, available_at,"
-            "  CASE WHEN status = 'done' AND finished_at > now() - interval '1 day'"
-            "   THEN floor(extract(epoch FROM (now() - finished_at)) / 3600)::int END AS hour"
-            f"  FROM {self.t} TABLESAMPLE SYSTEM ($1::float4) REPEATABLE ($2::float8)) s"
-            " GROUP BY topic, status, hour"
+            "SELECT topic, count(*)"
+            f" FROM {self.t} TABLESAMPLE SYSTEM ($1::float4) REPEATABLE ($2::float8)"
+            " WHERE status = 'done' GROUP BY topic"
         )
 
     @property
     def pages(self) -> str:
         return "SELECT relpages::float8 FROM pg_catalog.pg_class WHERE oid = $1::regclass"
 
+    # the backlog, exact: each count reads one partial index, index-only (the page
+    # caches them with the pulse: they are read again only after a write, and at most
+    # every 25 times what reading them took)
     @property
-    def claimable_count(self) -> str:
-        # $1 bound: pending + retry, index-only on the topic-first claim index
+    def claimable_counts(self) -> str:
+        # topic, pending + retry, those due now: the topic-first claim index
         return (
-            "SELECT count(*) FROM (SELECT 1 FROM"
-            f" {self.t} WHERE status IN ('pending', 'retry') LIMIT $1) s"
-        )
-
-    @property
-    def claimable_by_topic(self) -> str:
-        # topic, pending, retry, due now (run only when the bounded count says few)
-        return (
-            "SELECT topic, count(*) FILTER (WHERE status = 'pending'),"
-            " count(*) FILTER (WHERE status = 'retry'),"
-            " count(*) FILTER (WHERE available_at <= now())"
+            "SELECT topic, count(*), count(*) FILTER (WHERE available_at <= now())"
             f" FROM {self.t} WHERE status IN ('pending', 'retry') GROUP BY topic"
         )
 
     @property
+    def retry_counts(self) -> str:
+        # topic, retry, those due now: the retry index (0017)
+        return (
+            "SELECT topic, count(*), count(*) FILTER (WHERE available_at <= now())"
+            f" FROM {self.t} WHERE status = 'retry' GROUP BY topic"
+        )
+
+    @property
+    def dead_counts(self) -> str:
+        # topic, dead: the dead index (0011)
+        return f"SELECT topic, count(*) FROM {self.t} WHERE status = 'dead' GROUP BY topic"
+
+    def explain_status(self, status: str) -> str:
+        # the planner's rows of one status (a literal from the fixed set: only a
+        # constant lets the planner use the partial index's statistics)
+        assert status in ("pending", "retry", "dead")
+        return f"EXPLAIN (FORMAT JSON) SELECT 1 FROM {self.t} WHERE status = '{status}'"
+
+    @property
     def topic_lags(self) -> str:
-        # every topic with claimable events and its oldest available_at, by a skip scan
-        # of the topic-first claim index: one descent per topic, however deep
+        # every topic with claimable events, its lag and the epoch of its oldest due
+        # event (the page ticks the lag on from it), by a skip scan of the topic-first
+        # claim index: one descent per topic, however deep
         claimable = "status IN ('pending', 'retry')"
         return (
             "WITH RECURSIVE topics AS ("
@@ -113,10 +120,27 @@ class WebQueries:
             f" SELECT (SELECT c.topic FROM {self.t} c WHERE c.{claimable}"
             "  AND c.topic > topics.topic ORDER BY c.topic LIMIT 1)"
             " FROM topics WHERE topics.topic IS NOT NULL)"
-            " SELECT topic, extract(epoch FROM (now() - (SELECT min(m.available_at)"
-            f"  FROM {self.t} m WHERE m.{claimable} AND m.topic = topics.topic)))::float8"
-            " FROM topics WHERE topic IS NOT NULL"
+            " SELECT topic, extract(epoch FROM (now() - o.at))::float8,"
+            " extract(epoch FROM o.at)::float8 FROM topics CROSS JOIN LATERAL"
+            f" (SELECT min(m.available_at) AS at FROM {self.t} m WHERE m.{claimable}"
+            "  AND m.topic = topics.topic) o WHERE topic IS NOT NULL"
         )
+
+    @property
+    def topic_lag(self) -> str:
+        # $1 topic: its lag and the epoch its oldest due event became due (the claim
+        # index's first entry of the topic)
+        return (
+            "SELECT extract(epoch FROM (now() - min(available_at)))::float8,"
+            " extract(epoch FROM min(available_at))::float8"
+            f" FROM {self.t} WHERE status IN ('pending', 'retry') AND topic = $1"
+        )
+
+    @property
+    def topic_counted(self) -> str:
+        # $1 topic: did a consumer count any of its events in the last week (the
+        # primary key of the per-minute counts)
+        return f"SELECT EXISTS (SELECT 1 FROM {self.rollups_table} WHERE topic = $1)"
 
     @property
     def processing_by_topic(self) -> str:
@@ -134,35 +158,6 @@ class WebQueries:
             "SELECT topic, count(*) FROM (SELECT topic FROM"
             f" {self.t} WHERE ordering_key IS NOT NULL AND status = 'waiting' LIMIT $1) s"
             " GROUP BY topic"
-        )
-
-    @property
-    def dead_by_topic(self) -> str:
-        # $1 bound: through the dead index (0011), index-only; with those that died in
-        # the last day
-        return (
-            "SELECT topic, count(*), count(*) FILTER (WHERE finished_at > now() - interval '1 day')"
-            f" FROM (SELECT topic, finished_at FROM {self.t} WHERE status = 'dead' LIMIT $1) s"
-            " GROUP BY topic"
-        )
-
-    @property
-    def finished_since(self) -> str:
-        # $1 seconds, $2 bound: done events finished in the window, index-only on the
-        # retention index (finished_at)
-        return (
-            "SELECT count(*) FROM (SELECT 1 FROM"
-            f" {self.t} WHERE status = 'done'"
-            " AND finished_at > now() - make_interval(secs => $1::float8) LIMIT $2) s"
-        )
-
-    @property
-    def finished_by_topic(self) -> str:
-        # $1 seconds: done in the window by topic and hour (run only when few)
-        return (
-            "SELECT topic, floor(extract(epoch FROM (now() - finished_at)) / 3600)::int,"
-            f" count(*) FROM {self.t} WHERE status = 'done'"
-            " AND finished_at > now() - make_interval(secs => $1::float8) GROUP BY 1, 2"
         )
 
     @property
@@ -209,8 +204,13 @@ class WebQueries:
         )
 
     # -- events ---------------------------------------------------------------------
+    # a pending event not due yet shows as scheduled
+    STATE = (
+        "CASE WHEN status = 'pending' AND available_at > now() THEN 'scheduled'"
+        " ELSE status::text END"
+    )
     _COLUMNS = (
-        "id, topic, status::text, ordering_key, dedupe_key, attempts, max_attempts,"
+        f"id, topic, {STATE}, ordering_key, dedupe_key, attempts, max_attempts,"
         " created_at, available_at, finished_at, left(last_error, 200), locked_by"
     )
 
@@ -232,10 +232,10 @@ class WebQueries:
     @property
     def event(self) -> str:
         return (
-            "SELECT id, topic, status::text, ordering_key, dedupe_key, attempts,"
+            f"SELECT id, topic, {self.STATE} AS status, ordering_key, dedupe_key, attempts,"
             " max_attempts, created_at, available_at, updated_at, finished_at, locked_by,"
             " locked_at, lease_expires_at, last_error, payload::text, headers::text,"
-            " message_id, blocks_key"
+            " message_id, blocks_key, failures::text AS failures"
             f" FROM {self.t} WHERE id = $1"
         )
 
@@ -253,15 +253,33 @@ class WebQueries:
     # -- ordering keys ----------------------------------------------------------------
     @property
     def blocked_heads(self) -> str:
-        # $1 limit: heads that cannot run now: failing (retry, through the key-head
-        # index) or dead and blocking (through the dead index)
+        # $1 limit, $2 topic or NULL: heads that cannot run now: failing (retry, through
+        # the key-head index, or the retry index for one topic) or dead and blocking
+        # (through the dead index)
         return (
             "SELECT ordering_key, id, topic, status::text, attempts, available_at,"
             " left(last_error, 200) AS last_error FROM ("
             f" (SELECT * FROM {self.t} WHERE ordering_key IS NOT NULL"
-            "   AND status IN ('pending', 'retry') AND status = 'retry' ORDER BY id LIMIT $1)"
+            "   AND status IN ('pending', 'retry') AND status = 'retry'"
+            "   AND ($2::text IS NULL OR topic = $2) ORDER BY id LIMIT $1)"
             " UNION ALL"
             f" (SELECT * FROM {self.t} WHERE status = 'dead' AND blocks_key"
+            "   AND ordering_key IS NOT NULL AND ($2::text IS NULL OR topic = $2)"
+            "   ORDER BY id LIMIT $1)) h"
+            " ORDER BY id LIMIT $1"
+        )
+
+    @property
+    def blocked_heads_of_topic(self) -> str:
+        # $1 limit, $2 topic: as `blocked_heads`, for one topic (the retry index and the
+        # dead index both lead with the topic)
+        return (
+            "SELECT ordering_key, id, topic, status::text, attempts, available_at,"
+            " left(last_error, 200) AS last_error FROM ("
+            f" (SELECT * FROM {self.t} WHERE status = 'retry' AND topic = $2"
+            "   AND ordering_key IS NOT NULL ORDER BY id LIMIT $1)"
+            " UNION ALL"
+            f" (SELECT * FROM {self.t} WHERE status = 'dead' AND topic = $2 AND blocks_key"
             "   AND ordering_key IS NOT NULL ORDER BY id LIMIT $1)) h"
             " ORDER BY id LIMIT $1"
         )
@@ -290,4 +308,106 @@ class WebQueries:
             "SELECT id, at, actor, action, target::text, affected"
             f" FROM {self.audit_table} WHERE ($1::bigint IS NULL OR id < $1)"
             " ORDER BY id DESC LIMIT $2"
+        )
+
+    @property
+    def audit_entry(self) -> str:
+        # $1 id: the entry a page's message describes (after an action)
+        return (
+            "SELECT id, at, actor, action, target::text, affected"
+            f" FROM {self.audit_table} WHERE id = $1"
+        )
+
+    # -- the consumers' per-minute counts (0017) -----------------------------------------
+    @property
+    def rollups_table(self) -> str:
+        return f'"{self.outbox.schema}"."{self.outbox.table}_rollups"'
+
+    @property
+    def topic_minutes(self) -> str:
+        # $1 topic, $2 seconds back: per minute (epoch s of its start) done, retried,
+        # dead, claimed, lag sum, lag max; through the primary key (topic, minute)
+        return (
+            "SELECT extract(epoch FROM minute)::float8, done, retried, dead, claimed,"
+            f" lag_sum, lag_max FROM {self.rollups_table}"
+            " WHERE topic = $1 AND minute >= now() - make_interval(secs => $2::float8)"
+            " ORDER BY minute"
+        )
+
+    @property
+    def rollups_past_hours(self) -> str:
+        # per topic and past hour of the last day (1: the hour before the current one,
+        # to 23): done, failed (retried + dead), dead; through the minute index. Those
+        # hours no longer change, so the dashboard reads them once an hour.
+        return (
+            "SELECT topic, floor(extract(epoch FROM (date_trunc('hour', now())"
+            " - date_trunc('hour', minute))) / 3600)::int, sum(done)::bigint,"
+            " sum(retried + dead)::bigint, sum(dead)::bigint"
+            f" FROM {self.rollups_table}"
+            " WHERE minute >= date_trunc('hour', now()) - interval '23 hours'"
+            " AND minute < date_trunc('hour', now())"
+            " GROUP BY topic, date_trunc('hour', minute)"
+        )
+
+    @property
+    def rollups_last_hour(self) -> str:
+        # per topic, the last 60 minutes split at the current hour's start (true: in the
+        # current hour): done, failed (retried + dead), dead; through the minute index
+        return (
+            "SELECT topic, minute >= date_trunc('hour', now()), sum(done)::bigint,"
+            " sum(retried + dead)::bigint, sum(dead)::bigint"
+            f" FROM {self.rollups_table} WHERE minute >= now() - interval '1 hour'"
+            " GROUP BY 1, 2"
+        )
+
+    # -- actions on waiting work --------------------------------------------------------
+    @property
+    def waiting_states(self) -> str:
+        # $1 ids: those that are pending, scheduled or retrying, with their key (a head
+        # of its key if it has one: a pending or retry event with a key is its head)
+        return (
+            f"SELECT id, {self.STATE}, ordering_key, topic FROM {self.t}"
+            " WHERE id = ANY ($1::bigint[]) AND status IN ('pending', 'retry') ORDER BY id"
+        )
+
+    @property
+    def run_now(self) -> str:
+        # $1 ids: scheduled and retrying events due now (a pending event due already is
+        # left as it is); (id, topic) of each. Placed as the claim's functions place a
+        # row (migration 0019): the position lock first, then clock_timestamp(), so no
+        # consumer's low mark has passed the new position when it commits
+        take = f'"{self.outbox.schema}"."{self.outbox.table}_take_position"()'
+        return (
+            f"UPDATE {self.t} SET available_at = clock_timestamp(), updated_at = now()"
+            f" FROM (SELECT {take}) AS placed"
+            " WHERE id = ANY ($1::bigint[]) AND status IN ('pending', 'retry')"
+            " AND available_at > now() RETURNING id, topic"
+        )
+
+    @property
+    def lock_keys(self) -> str:
+        # $1 keys: their producers' locks (see 0005), in key order, waited for, so that
+        # the promotion after a cancellation cannot be skipped (as `delete_dead` does)
+        prefix = f"{self.outbox.schema}.{self.outbox.table}:"
+        return (
+            "SELECT count(pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtextextended("
+            f"'{prefix}' || k, 0))) FROM (SELECT DISTINCT k FROM unnest($1::text[]) AS k"
+            " WHERE k IS NOT NULL ORDER BY k) s"
+        )
+
+    @property
+    def keys_of(self) -> str:
+        # $1 ids: the ordering keys of those still pending or retrying
+        return (
+            f"SELECT DISTINCT ordering_key FROM {self.t} WHERE id = ANY ($1::bigint[])"
+            " AND status IN ('pending', 'retry') AND ordering_key IS NOT NULL"
+        )
+
+    @property
+    def cancel(self) -> str:
+        # $1 ids: delete those still pending, scheduled or retrying (a claim since has
+        # made them processing: not touched); (id, topic, ordering key) of each
+        return (
+            f"DELETE FROM {self.t} WHERE id = ANY ($1::bigint[])"
+            " AND status IN ('pending', 'retry') RETURNING id, topic, ordering_key"
         )

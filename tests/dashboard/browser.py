@@ -12,7 +12,8 @@ from typing import Any
 
 from playwright.async_api import Page, async_playwright
 
-CHROMIUM = os.environ.get("AIOOUTBOX_CHROMIUM", "/usr/bin/chromium")
+from tests.programs import program
+
 ARGS = [
     "--headless",
     "--no-sandbox",
@@ -37,9 +38,11 @@ class Watched:
 @contextlib.asynccontextmanager
 async def browser_page(**context: Any) -> AsyncIterator[Watched]:
     async with async_playwright() as p:
-        browser = await p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        browser = await p.chromium.launch(executable_path=program("chromium"), args=ARGS)
         try:
-            ctx = await browser.new_context(viewport={"width": 1360, "height": 900}, **context)
+            ctx = await browser.new_context(
+                **{"viewport": {"width": 1360, "height": 900}, **context}
+            )
             page = await ctx.new_page()
             watched = Watched(page)
 

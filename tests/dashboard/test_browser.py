@@ -18,10 +18,11 @@ from aiooutbox.web import create_app
 from tests.dashboard.browser import browser_page, screenshot
 from tests.dashboard.server import dashboard, in_process
 from tests.helpers import insert_unchecked, running, wait_until
+from tests.programs import needs
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, needs("chromium")]
 
-STATUS_COLUMNS = ("pending", "retry", "processing", "waiting", "dead")
+STATUS_COLUMNS = ("pending", "scheduled", "retry", "processing", "waiting", "dead")
 
 
 async def populate(conn: asyncpg.Connection) -> None:
@@ -54,15 +55,27 @@ async def populate(conn: asyncpg.Connection) -> None:
     )
     for i in range(3):
         await aiooutbox.enqueue(conn, "orders.paid", {"i": i}, ordering_key="order-7")
+    await aiooutbox.enqueue(conn, "emails.send", {"digest": "weekly"}, delay=3600)
     await conn.execute(
         "UPDATE outbox_events SET status = 'dead', blocks_key = true, attempts = 5,"
         " finished_at = now(), last_error = 'card declined'"
         " WHERE ordering_key = 'order-7' AND status = 'pending'"
     )
+    # a day of what consumers counted, minute by minute (the charts, the numbers over time)
+    await conn.execute(
+        "INSERT INTO outbox_events_rollups (minute, topic, done, retried, dead, claimed,"
+        " lag_sum, lag_max) SELECT date_trunc('minute', now()) - m * interval '1 minute', t,"
+        " 30 + (m * 7 + length(t)) % 25, (m % 13 = 0)::int, (m % 211 = 0)::int, 30, 6,"
+        " 0.1 + (m % 17) / 20.0 FROM generate_series(0, 1439) m,"
+        " unnest('{orders.created,emails.send}'::text[]) t"
+    )
 
 
 async def sql_counts(conn: asyncpg.Connection) -> dict[tuple[str, str], int]:
-    rows = await conn.fetch("SELECT topic, status::text, count(*) FROM outbox_events GROUP BY 1, 2")
+    rows = await conn.fetch(
+        "SELECT topic, CASE WHEN status = 'pending' AND available_at > now() THEN 'scheduled'"
+        " ELSE status::text END, count(*) FROM outbox_events GROUP BY 1, 2"
+    )
     return {(r[0], r[1]): r[2] for r in rows}
 
 
@@ -83,6 +96,21 @@ async def test_every_page_renders_and_shows_the_sql_counts(dsn: str, tmp_path: P
                 for status in STATUS_COLUMNS:
                     shown = await row.locator(f'td[data-count="{status}"]').inner_text()
                     assert shown == str(counts.get((topic, status), 0)), (topic, status)
+            # the numbers over time: what the consumers counted, over the chart's 24 hours
+            # and the last 60 minutes
+            for topic in ("orders.created", "emails.send"):
+                day, died, hour = await conn.fetchrow(
+                    "SELECT sum(done) FILTER (WHERE minute >= date_trunc('hour', now())"
+                    " - interval '23 hours'), sum(dead) FILTER (WHERE minute >="
+                    " date_trunc('hour', now()) - interval '23 hours'), sum(done) FILTER"
+                    " (WHERE minute >= now() - interval '1 hour')"
+                    " FROM outbox_events_rollups WHERE topic = $1",
+                    topic,
+                )
+                row = page.locator(f'#topics tr[data-topic="{topic}"]')
+                assert await row.locator('[data-count="done_day"]').inner_text() == f"{day:,}"
+                assert await row.locator('[data-count="died_day"]').inner_text() == f"{died:,}"
+                assert await row.locator('[data-count="done_hour"]').inner_text() == f"{hour:,}"
             await screenshot(page, "overview", tmp_path)
 
             await page.goto(d.at("/events"))
@@ -94,9 +122,7 @@ async def test_every_page_renders_and_shows_the_sql_counts(dsn: str, tmp_path: P
             await page.wait_for_url(re.compile(r"topic=orders.created"))
             expected = sum(n for (t, _), n in counts.items() if t == "orders.created")
             assert await page.inner_text("#matching") == str(expected)
-            shown_topics = await page.locator(
-                "table.events tbody tr td:nth-child(2)"
-            ).all_inner_texts()
+            shown_topics = await page.locator("table.events tbody tr td.name").all_inner_texts()
             assert shown_topics == ["orders.created"] * expected
             await page.fill('input[name="payload"]', '{"customer": "c-1"}')
             await page.click('form.filter button[type="submit"]')
@@ -117,7 +143,6 @@ async def test_every_page_renders_and_shows_the_sql_counts(dsn: str, tmp_path: P
             assert await link.get_attribute("href") == (
                 "https://tempo.example.com/trace/0af7651916cd43dd8448eb211c80319c"
             )
-            await screenshot(page, "event", tmp_path)
 
             await page.goto(d.at("/dead"))
             dead = sum(n for (_, s), n in counts.items() if s == "dead")
@@ -136,6 +161,12 @@ async def test_every_page_renders_and_shows_the_sql_counts(dsn: str, tmp_path: P
                 " (≈ above)."
             )
             await screenshot(page, "keys", tmp_path)
+
+            await page.goto(d.at("/topics/orders.created"))
+            for status in STATUS_COLUMNS:
+                shown = await page.inner_text(f'#topic-counts td[data-count="{status}"]')
+                assert shown == str(counts.get(("orders.created", status), 0)), status
+            await screenshot(page, "topic", tmp_path)
 
             await page.goto(d.at("/consumers"))
             worker = page.locator('table.workers tr[data-worker="host:1:w"]')
@@ -180,14 +211,19 @@ async def test_retrying_a_dead_event_in_the_ui_makes_it_run(dsn: str, tmp_path: 
                 await w.page.goto(d.at(f"/events/{event_id}"))
                 await w.page.click("#retry-one")
                 assert await w.page.inner_text("#confirm-count") == "1"
-                await screenshot(w.page, "confirm", tmp_path)
                 await w.page.click("#confirm")
-                await w.page.wait_for_url(re.compile(r"/audit"))
-                entry = w.page.locator("#audit tr.highlight")
-                assert await entry.locator("td.affected").inner_text() == "1"
+                # back on the event's page, saying what was done
+                await w.page.wait_for_url(re.compile(rf"/events/{event_id}\?done=\d+"))
+                assert await w.page.inner_text("#flash") == "Retried 1 dead event."
                 await wait_until(lambda: _is(status, "done"))
                 assert handled == [event_id, event_id]
-                await screenshot(w.page, "audit", tmp_path)
+                entry = int(w.page.url.rsplit("done=", 1)[1])
+                await w.page.goto(d.at("/audit"))
+                row = w.page.locator(f'#audit tr[data-entry="{entry}"]')
+                assert await row.locator("td.affected").inner_text() == "1"
+                assert await row.locator(".said").inner_text() == (
+                    f"retried 1 dead event (id {event_id})"
+                )
     finally:
         await pool.close()
 
@@ -222,7 +258,11 @@ async def test_bulk_retry_by_filter_in_the_browser(dsn: str) -> None:
             await w.page.click("#retry-matching")
             assert await w.page.inner_text("#confirm-count") == "2"
             await w.page.click("#confirm")
-            await w.page.wait_for_url(re.compile(r"/audit"))
+            # back on the filtered list, with a message
+            await w.page.wait_for_url(re.compile(r"/dead\?.*error=odd.*done=\d+"))
+            assert await w.page.inner_text("#flash") == "Retried 2 dead events."
+            assert await w.page.input_value('input[name="error"]') == "odd"
+            assert await w.page.inner_text("#matching") == "0"
         rows = await conn.fetch(
             "SELECT topic, last_error, status::text FROM outbox_events ORDER BY id"
         )

@@ -19,6 +19,7 @@ import aiooutbox
 from aiooutbox.web import create_app
 from aiooutbox.web._live import LiveHub
 from tests.helpers import running, wait_until
+from tests.programs import needs
 from tests.test_roles import as_user, documented_grants
 
 
@@ -98,6 +99,7 @@ async def _registered(pool: asyncpg.Pool) -> dict[str, tuple[int, int, float]]:
 
 
 @pytest.mark.slow
+@needs("chromium")
 async def test_the_consumers_page_shows_what_each_consumer_was_started_with(
     dsn: str, tmp_path: Path
 ) -> None:

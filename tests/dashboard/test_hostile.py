@@ -17,6 +17,7 @@ import pytest
 from tests.dashboard.browser import Watched, browser_page
 from tests.dashboard.server import dashboard
 from tests.helpers import insert_unchecked
+from tests.programs import needs
 
 pytestmark = pytest.mark.slow
 
@@ -29,8 +30,11 @@ HOSTILE = [
     "{{7*7}}<style>body{display:none}</style>",
 ]
 _OURS = re.compile(
-    r"^/(|events(/\d+)?|dead(/confirm|/act)?|keys|consumers|audit|live|static/dashboard\.(js|css))$"
+    r"^/(|events(/\d+|/confirm|/act)?|dead(/confirm|/act)?|keys|consumers|audit|live|topics/.*"
+    r"|static/dashboard\.(js|css))$"
 )
+# topic names that are hard to carry in a URL path
+AWKWARD = [".", "..", "a/b", "a/../b", "q?x=1", "h#frag", "100%", " spaced ", "tr\u00e4ilin/"]
 
 
 async def plant(conn: asyncpg.Connection) -> list[int]:
@@ -57,12 +61,49 @@ async def plant(conn: asyncpg.Connection) -> list[int]:
         [[held]] = await insert_unchecked(
             conn,
             "INSERT INTO outbox_events (topic, payload, status, attempts, locked_by, locked_at,"
-            " lease_expires_at) VALUES ($1, $2::jsonb, 'processing', 1, $1, now(),"
-            " now() + interval '1 hour') RETURNING id",
+            " lease_expires_at, grp) VALUES ($1, $2::jsonb, 'processing', 1, $1, now(),"
+            " now() + interval '1 hour', $1) RETURNING id",
             text,
             json.dumps(payload),
         )
+        # its failed attempts, as the settlement keeps them: error and worker are hostile
+        failures = [
+            {
+                "attempt": 1,
+                "at": 1.5e9,
+                "worker": text,
+                "seconds": 0.25,
+                "error": text,
+                "outcome": "retry",
+            },
+            {
+                "attempt": "<b>2</b>",
+                "at": text,
+                "worker": None,
+                "seconds": text,
+                "error": {"x": text},
+                "outcome": text,
+            },
+        ]
+        await conn.execute(
+            "UPDATE outbox_events SET failures = $2::jsonb WHERE id = $1",
+            dead,
+            json.dumps(failures),
+        )
+        # per-minute counts of the hostile topic: its charts carry its name
+        await conn.execute(
+            "INSERT INTO outbox_events_rollups (minute, topic, done, retried, dead, claimed,"
+            " lag_sum, lag_max) VALUES (date_trunc('minute', now()) - interval '2 minutes', $1,"
+            " 5, 1, 1, 5, 5, 2)",
+            text,
+        )
         ids += [dead, held]
+    for name in AWKWARD:
+        await conn.execute(
+            "INSERT INTO outbox_events (topic, payload, available_at)"
+            " VALUES ($1, '{}', now() + interval '1 hour')",
+            name,
+        )
     await conn.execute(
         "INSERT INTO outbox_events_idle (worker_id, topics, expires_at)"
         " VALUES ($1, $2::text[], now() + interval '1 hour')",
@@ -107,14 +148,16 @@ async def check(w: Watched, base: str) -> None:
 
 
 @pytest.mark.timeout(300)  # some forty pages in a browser, on a machine that may be busy
+@needs("chromium")
 async def test_hostile_text_renders_as_text_everywhere(dsn: str, tmp_path: Path) -> None:
     conn = await asyncpg.connect(dsn)
     try:
         ids = await plant(conn)
         async with dashboard(dsn) as d, browser_page() as w:
             base = d.url
-            paths = ["/", "/events", "/dead", "/keys", "/consumers"]
+            paths = ["/", "/events", "/dead", "/keys", "/consumers", "/audit"]
             paths += [f"/events/{i}" for i in ids]
+            paths += ["/events?" + urlencode({"status": "scheduled", "topic": t}) for t in AWKWARD]
             for text in HOSTILE:
                 # each text as a filter value: reflected in form values, links and counts
                 query = {"topic": text, "ordering_key": text, "payload": json.dumps({"t": text})}
@@ -124,10 +167,33 @@ async def test_hostile_text_renders_as_text_everywhere(dsn: str, tmp_path: Path)
                 response = await w.page.goto(base.rstrip("/") + path)
                 assert response is not None and response.status == 200, path
                 await check(w, base)
+            # each topic's page, reached by its link on the overview: the name survives the
+            # URL (slashes, dots, ?, #, %) and every label of its charts is text
+            for name in HOSTILE + AWKWARD:
+                await w.page.goto(base)
+                rows = w.page.locator("#topics tbody tr")
+                names = await rows.evaluate_all("rs => rs.map(r => r.dataset.topic)")
+                assert names.count(name) == 1, (name, names)
+                link = rows.nth(names.index(name)).locator("a.topic")
+                await link.click()
+                await w.page.wait_for_load_state()
+                assert w.documents[-1].status == 200, (name, w.page.url)
+                await check(w, base)
+                shown = await w.page.locator("#topic-name").text_content()
+                assert shown == name, (name, w.page.url)
+                if name in HOSTILE:
+                    label = await w.page.get_attribute("#done-hour svg", "aria-label")
+                    assert label == f"events of {name} done per minute"
+                    assert name in await w.page.inner_text("#done-hour figcaption")
+                    # its running event's group (the same text) is listed among the busiest, as text
+                    assert name in await w.page.inner_text("#busiest-groups")
             # the text is shown, literally
             await w.page.goto(base.rstrip("/") + f"/events/{ids[0]}")
+            timeline = await w.page.inner_text("#timeline")
+            assert timeline.count(HOSTILE[0]) >= 2, timeline  # the error and the worker
             assert HOSTILE[0] in await w.page.inner_text("#payload")
-            assert HOSTILE[0] in await w.page.inner_text("#last-error")
+            # (in full, under the timeline: one click away, so read as the DOM has it)
+            assert HOSTILE[0] in (await w.page.text_content("#last-error") or "")
             assert HOSTILE[0] in await w.page.inner_text("#headers")
             await w.page.goto(base.rstrip("/") + "/consumers")
             workers = await w.page.inner_text("table.workers")
@@ -145,7 +211,10 @@ async def test_hostile_text_renders_as_text_everywhere(dsn: str, tmp_path: Path)
             await w.page.click("#retry-matching")
             assert await w.page.inner_text("#confirm-count") == "1"
             await w.page.click("#confirm")
-            await w.page.wait_for_url(re.compile(r"/audit"))
+            await w.page.wait_for_url(re.compile(r"/dead\?.*done=\d+"))
+            await check(w, base)
+            assert await w.page.input_value('input[name="topic"]') == HOSTILE[3]
+            await w.page.goto(base.rstrip("/") + "/audit")
             await check(w, base)
             assert HOSTILE[3] in await w.page.inner_text("#audit")
             # what the page did: nothing but our own requests, no dialog, CSP each time

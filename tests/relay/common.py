@@ -66,16 +66,28 @@ async def message_ids(pool: asyncpg.Pool) -> set[str]:
     return {r[0] for r in await pool.fetch("SELECT message_id::text FROM outbox_events")}
 
 
+#: the events a relay's publish call takes, as ``python -m aiooutbox relay`` runs it
+BATCH = 256
+
+
 @contextlib.asynccontextmanager
 async def relaying(
-    pool: asyncpg.Pool, sink: Sink, *, topics: Sequence[str] | None = None, **options: Any
+    pool: asyncpg.Pool,
+    sink: Sink,
+    *,
+    topics: Sequence[str] | None = None,
+    batch: int | None = BATCH,
+    **options: Any,
 ) -> AsyncIterator[aiooutbox.OutboxConsumer]:
-    """A started ``sink`` under a consumer of every topic (or ``topics``), for the block."""
+    """A started ``sink`` under a consumer of every topic (or ``topics``), for the block:
+    its batch handler, up to ``batch`` events a call (None: the sink itself, one event a
+    call)."""
     options.setdefault("retention", None)
     options.setdefault("poll_interval", 0.5)
     async with sink:
         consumer = aiooutbox.OutboxConsumer(pool, topics=topics, **options)
-        handlers = dict.fromkeys(topics, sink) if topics else {"*": sink}
+        handler: Any = sink if batch is None else sink.handler(batch)
+        handlers = dict.fromkeys(topics, handler) if topics else {"*": handler}
         async with consumer:
             task = asyncio.ensure_future(consumer.run(handlers))
             try:
@@ -212,6 +224,7 @@ async def kill_midway(pool: asyncpg.Pool, dsn: str, to: str, total: int, *args: 
     finally:
         assert await second.stop() == 0, second.stderr()
     assert await counts(pool) == {"done": total}
+    assert f"batches of {BATCH}" in second.said, "the relay published in batches"
     said = second.said.splitlines()
     return "\n".join([*[s for s in said if "WARNING" in s][:5], *said[-2:]])
 

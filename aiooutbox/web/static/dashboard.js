@@ -1,14 +1,48 @@
 // aiooutbox dashboard: live updates. Served as a file (the Content-Security-Policy
 // forbids inline script). The server pushes a "pulse" (server-sent events) when the
 // outbox changed; this page then fetches its own content again and swaps <main>.
-// The HTML comes from our server, rendered with every stored value escaped.
+// Between pulses, the ages on the page tick on by the server's clock: lags
+// ([data-since], how long since) and relative times (<time data-at>). The HTML comes
+// from our server, rendered with every stored value escaped.
 (function () {
   "use strict";
   var body = document.body;
   var main = document.getElementById("live");
+  if (!body || !main) { return; }
+  // the server's clock minus ours (seconds), from the page and each refetch
+  var offset = (parseFloat(body.getAttribute("data-now")) || Date.now() / 1000) - Date.now() / 1000;
+
+  function age(seconds) {  // as aiooutbox.web._data.age
+    var s = Math.floor(Math.abs(seconds));
+    var text;
+    if (s < 60) { text = s + "s"; }
+    else if (s < 3600) { text = Math.floor(s / 60) + "m " + ("0" + s % 60).slice(-2) + "s"; }
+    else if (s < 86400) { text = Math.floor(s / 3600) + "h " + ("0" + Math.floor(s % 3600 / 60)).slice(-2) + "m"; }
+    else { text = Math.floor(s / 86400) + "d " + Math.floor(s % 86400 / 3600) + "h"; }
+    return seconds < 0 && s > 0 ? "in " + text : text;
+  }
+
+  function tick() {
+    var now = Date.now() / 1000 + offset;
+    var i, el, at;
+    var lags = main.querySelectorAll("[data-since]");
+    for (i = 0; i < lags.length; i++) {
+      el = lags[i];
+      at = parseFloat(el.getAttribute("data-since"));
+      if (!isNaN(at)) { el.textContent = age(now - at); }
+    }
+    var times = main.querySelectorAll("time[data-at]");
+    for (i = 0; i < times.length; i++) {
+      el = times[i];
+      at = parseFloat(el.getAttribute("data-at"));
+      if (!isNaN(at)) { el.textContent = now >= at ? age(now - at) + " ago" : age(now - at); }
+    }
+  }
+  window.setInterval(tick, 1000);
+
   var state = document.getElementById("live-state");
   // no data-live: the answer to a POST, whose URL takes no GET (nothing to refetch)
-  if (!body || !main || !window.EventSource || !body.getAttribute("data-live")) { return; }
+  if (!window.EventSource || !body.getAttribute("data-live")) { return; }
   var shown = body.getAttribute("data-pulse");  // what the page's data is current to
   var latest = shown;  // the newest pulse the server pushed
   var interval = parseInt(body.getAttribute("data-refresh"), 10) || 2000;
@@ -17,8 +51,9 @@
   var later = null;
 
   function interacting() {
-    // don't replace a page the operator is working on: ticked boxes, focused fields
-    if (main.querySelector("input[type=checkbox]:checked")) { return true; }
+    // don't replace a page the operator is working on: ticked boxes, focused fields,
+    // an open <details>
+    if (main.querySelector("input[type=checkbox]:checked, details[open]")) { return true; }
     var active = document.activeElement;
     return !!(active && main.contains(active) && /^(INPUT|SELECT|TEXTAREA)$/.test(active.tagName));
   }
@@ -34,6 +69,8 @@
     }).then(function (response) {
       if (!response.ok) { throw new Error(String(response.status)); }
       var current = response.headers.get("X-Dashboard-Pulse");
+      var clock = parseFloat(response.headers.get("X-Dashboard-Now"));
+      if (!isNaN(clock)) { offset = clock - Date.now() / 1000; }
       return response.text().then(function (html) { return [html, current]; });
     }).then(function (result) {
       var html = result[0];
@@ -48,6 +85,7 @@
         var fresh = doc.querySelector("main");
         main.replaceChildren.apply(main, Array.prototype.slice.call(fresh.childNodes));
         body.setAttribute("data-refreshed", String(Date.now()));
+        tick();
       }
     }).catch(function () { /* the next pulse tries again */ }).then(function () {
       busy = false;
