@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import subprocess
+import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -101,3 +102,15 @@ def extract_release(where: Path, commit: str, *paths: str) -> Path:
     )
     subprocess.run(["tar", "-x", "-C", str(where)], input=archive.stdout, check=True)
     return where
+
+
+@contextlib.contextmanager
+def embedded_home() -> Iterator[Path]:
+    """A temporary directory for embedded servers' data, outside pytest's own tree.
+
+    Run as root, the embedded server runs as a system user, which must traverse the
+    directories above its data; every pytest run that starts meanwhile (another suite, a
+    developer's single test) makes the root of pytest's tree private again (0700), which
+    would lock a running server's user out of its data and fail its `pg_ctl stop`."""
+    with tempfile.TemporaryDirectory(prefix="aiooutbox-embedded-") as tmp:
+        yield Path(tmp)

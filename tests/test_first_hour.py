@@ -25,7 +25,7 @@ from aiooutbox import embedded
 from aiooutbox.migrations import migrations as _shipped
 from tests import clirunner
 from tests.clirunner import ROOT, Result, Runner, clean_env, cli
-from tests.helpers import backdate, insert_unchecked, status_counts, wait_until
+from tests.helpers import backdate, embedded_home, insert_unchecked, status_counts, wait_until
 
 ALL_VERSIONS = [m.version for m in _shipped()]
 
@@ -465,18 +465,19 @@ async def test_the_demos_run_hint_works_as_printed(
 
 # -- the embedded server: one per project ------------------------------------------------
 @pytest.fixture
-def projects(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+def projects() -> Iterator[tuple[Path, Path]]:
     """A project (a pyproject.toml at its root) and a loose directory beside it; any
     embedded server left in either is stopped after the test."""
-    project, loose = tmp_path / "proj", tmp_path / "loose"
-    (project / "src" / "jobs").mkdir(parents=True)
-    loose.mkdir()
-    (project / "pyproject.toml").write_text("[project]\nname = 'shop'\n")
-    try:
-        yield project, loose
-    finally:
-        for where in (project, loose):
-            embedded.stop(where / ".aiooutbox" / "pgdata")
+    with embedded_home() as home:
+        project, loose = home / "proj", home / "loose"
+        (project / "src" / "jobs").mkdir(parents=True)
+        loose.mkdir()
+        (project / "pyproject.toml").write_text("[project]\nname = 'shop'\n")
+        try:
+            yield project, loose
+        finally:
+            for where in (project, loose):
+                embedded.stop(where / ".aiooutbox" / "pgdata")
 
 
 async def _sh(command: str, cwd: Path, env: dict[str, str]) -> Result:
