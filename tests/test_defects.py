@@ -459,7 +459,7 @@ async def test_a_dropped_claim_function_stops_the_consumer(pool: asyncpg.Pool) -
 
     task = asyncio.ensure_future(consumer.run({"t": handle}))
     await consumer.wait_started()
-    await pool.execute("DROP FUNCTION outbox_events_claim_v7 CASCADE")  # claim_v6 runs it
+    await pool.execute("DROP FUNCTION outbox_events_claim_v10 CASCADE")  # claim_v11 runs it
     await aiooutbox.enqueue(pool, "t", {})
     with pytest.raises(PermanentDatabaseError, match="aiooutbox migrate"):
         await asyncio.wait_for(task, 30)

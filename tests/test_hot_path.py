@@ -128,7 +128,8 @@ def test_build_event_makes_an_ordinary_frozen_event() -> None:
 
 
 async def test_hot_functions_always_run_generic_plans(conn: asyncpg.Connection) -> None:
-    names = ["claim_v6", "claim_v7", "claim_v8", "claim_v9", "fair_rows", "settle_done_v5"]
+    names = ["claim_v6", "claim_v7", "claim_v8", "claim_v9", "claim_v10", "claim_v11"]
+    names += ["fair_rows", "settle_done_v5"]
     names += ["settle_failed_v5", "promote"]
     names += ["requeue_v5", "requeue_v6"]
     configs = dict(

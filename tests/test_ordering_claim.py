@@ -140,6 +140,40 @@ async def test_the_orphan_sweep_promotes_only_keys_left_without_a_head(pool: asy
     assert (await pool.fetchrow(Q.promote_orphans))["promoted"] == 0
 
 
+async def test_a_blocker_after_a_keys_first_waiting_row_still_holds_the_key(
+    pool: asyncpg.Pool,
+) -> None:
+    """Promotion and the orphan sweep start at a key's first row by id (migration 0021):
+    a waiting row whose id comes before its key's blocker (a producer whose id was
+    drawn first but whose insert came second) is not promoted; nor is one before a
+    dead row that blocks its key. A key whose first waiting row has only done rows
+    before it moves on."""
+    late = [await _insert(pool, "late", "waiting") for _ in range(2)]
+    # the insert trigger makes a row behind a waiting one wait too: the head comes after
+    await pool.execute("UPDATE outbox_events SET status = 'pending' WHERE id = $1", late[1])
+    held = [await _insert(pool, "held", s) for s in ("waiting", "processing")]
+    blocked = [await _insert(pool, "blocked", s) for s in ("waiting", "dead")]
+    await pool.execute("UPDATE outbox_events SET blocks_key = true WHERE id = $1", blocked[1])
+    free = [await _insert(pool, "free", s) for s in ("done", "waiting", "done", "waiting")]
+    ids = late + held + blocked
+    before = [await _status(pool, i) for i in ids]
+    assert before == ["waiting", "pending", "waiting", "processing", "waiting", "dead"]
+    for _ in range(2):
+        row = await pool.fetchrow(Q.promote, ["late", "held", "blocked"])
+        assert (row["promoted"], row["skipped"]) == (0, [])
+    assert [await _status(pool, i) for i in ids] == before
+    row = await pool.fetchrow(Q.promote, ["free", "late"])
+    assert (row["promoted"], row["skipped"]) == (1, [])
+    assert [await _status(pool, i) for i in free] == ["done", "pending", "done", "waiting"]
+    # the sweep: "free" has its head now, the others their blockers
+    assert (await pool.fetchrow(Q.promote_orphans))["promoted"] == 0
+    await pool.execute("UPDATE outbox_events SET status = 'done' WHERE id = $1", free[1])
+    row = await pool.fetchrow(Q.promote_orphans)
+    assert (row["promoted"], row["skipped"]) == (1, [])
+    assert [await _status(pool, i) for i in ids] == before
+    assert [await _status(pool, i) for i in free] == ["done", "done", "done", "pending"]
+
+
 async def test_promotion_and_the_orphan_sweep_read_the_key_index_beside_a_big_key(
     pool: asyncpg.Pool,
 ) -> None:

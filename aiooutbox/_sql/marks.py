@@ -57,7 +57,7 @@ class MarkStatements:
 
     @property
     def claim_marked(self) -> str:
-        # the claim from each topic's low mark (migrations 0019, 0020): $1-$7 as `claim`,
+        # the claim from each topic's low mark (migrations 0019, 0020, 0021): $1-$7 as `claim`,
         # with $3 never NULL, $8 each topic's mark as epoch microseconds (NULL: from the
         # start), $9 its id, $10 the position keys awaited, $11 the grace (s) before a
         # held key is awaited, $12 the group cursor and $13 the groups per claim (as
@@ -67,7 +67,7 @@ class MarkStatements:
         # then a row with a NULL id whose payload holds the new marks and sweeps
         # (`Marks.update`)
         return (
-            f"SELECT {CLAIMED}, c.redelivered FROM {self._function('claim_v9')}"
+            f"SELECT {CLAIMED}, c.redelivered FROM {self._function('claim_v11')}"
             "($1, $2::float8, $3::text[], $4::int, $5::bigint, $6::int, $7::int,"
             " $8::bigint[], $9::bigint[], $10::bigint[], $11::float8, $12::text, $13::int,"
             " $14::text[], $15::bigint[], $16::bigint[], $17::int) AS c"

@@ -19,7 +19,7 @@ from functools import lru_cache
 from ..errors import InvalidArgument
 from .groups import first_due
 from .marks import CLAIMED as _CLAIMED
-from .marks import MarkStatements, redelivered
+from .marks import MarkStatements
 from .monitoring import MonitoringStatements
 
 __all__ = [
@@ -272,10 +272,10 @@ class Queries(MarkStatements, MonitoringStatements):
         # $1 worker id, $2 lease seconds, $3 topics (NULL: every topic), $4 limit,
         # $5 byte cap, $6 run length behind an ordered head (0: heads only), $7 rows all
         # runs may take together; the claimed rows are `ClaimedRow`'s columns (0006,
-        # 0018); groups from their first, in turn
+        # 0018; ``redelivered`` from the rows the claim wrote, 0021); groups from their
+        # first, in turn
         return (
-            f"SELECT {_CLAIMED}, {redelivered(self.schema, self.table)} AS redelivered"
-            f" FROM {self._function('claim_v7')}"
+            f"SELECT {_CLAIMED}, c.redelivered FROM {self._function('claim_v10')}"
             "($1, $2::float8, $3::text[], $4::int, $5::bigint, $6::int, $7::int) AS c"
         )
 
@@ -283,8 +283,7 @@ class Queries(MarkStatements, MonitoringStatements):
     def claim_after(self) -> str:
         # the claim, its ungrouped rows after a watermark: $8 available_at, $9 id
         return (
-            f"SELECT {_CLAIMED}, {redelivered(self.schema, self.table)} AS redelivered"
-            f" FROM {self._function('claim_v7')}"
+            f"SELECT {_CLAIMED}, c.redelivered FROM {self._function('claim_v10')}"
             "($1, $2::float8, $3::text[], $4::int, $5::bigint, $6::int, $7::int,"
             " $8::timestamptz, $9::bigint) AS c"
         )
@@ -294,8 +293,7 @@ class Queries(MarkStatements, MonitoringStatements):
         # `claim`, resuming among groups after $10, the group cursor (`GroupCursor`),
         # visiting at most $11 groups; $8 and $9 the watermark, or NULL
         return (
-            f"SELECT {_CLAIMED}, {redelivered(self.schema, self.table)} AS redelivered"
-            f" FROM {self._function('claim_v7')}"
+            f"SELECT {_CLAIMED}, c.redelivered FROM {self._function('claim_v10')}"
             "($1, $2::float8, $3::text[], $4::int, $5::bigint, $6::int, $7::int,"
             " $8::timestamptz, $9::bigint, $10::text, $11::int) AS c"
         )
