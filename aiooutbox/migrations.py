@@ -159,7 +159,8 @@ def migration_sql(
             continue
         parts.append(f"-- migration {m.version:04d}_{m.name}")
         if concurrently and m.builds_concurrently:
-            for step in m.steps[:-1]:
+            for n, step in enumerate(m.steps, 1):
+                last = n == len(m.steps)
                 if step.concurrent_index:
                     index = concurrent_index(q, step.template)
                     parts += [
@@ -167,10 +168,9 @@ def migration_sql(
                         f'DROP INDEX CONCURRENTLY IF EXISTS "{index.schema}"."{index.name}"; '
                         "and this statement again",
                         index.sql,
-                    ]
+                    ] + ["BEGIN;"] * last
                 else:
-                    parts += ["BEGIN;", q.render(step.template).strip(), "COMMIT;"]
-            parts += ["BEGIN;", q.render(m.steps[-1].template).strip()]
+                    parts += ["BEGIN;", q.render(step.template).strip()] + ["COMMIT;"] * (not last)
         else:
             parts += ["BEGIN;", _in_one_transaction(q, m).strip()]
         if _in_versions_table(m):

@@ -10,8 +10,10 @@
 -- from 0013, `requeue_v5` from 0015), so consumers of every earlier schema write the
 -- history too. A later migration that replaces one of them starts from the body below.
 -- Nothing of the success path changes: `settle_done_v5` and the claims are untouched.
--- CREATE INDEX here blocks writes to the outbox while it reads the table once
--- (seconds per million rows); ALTER TABLE ADD COLUMN is instant.
+-- The index (3.) is built concurrently, in a last step of its own, so
+-- producers and consumers keep writing while it reads the table; ALTER TABLE ADD COLUMN
+-- is instant. Every statement before it may run again (an interrupted build leaves the
+-- migration unrecorded, and the next `migrate` starts it over).
 --
 -- 1. `failures`: the last ten failed attempts of an event, oldest first, each
 --    {"attempt", "at" (epoch seconds), "worker", "seconds" (from its claim to its
@@ -29,11 +31,11 @@
 --    claim's index it counts pending, scheduled and retrying events exactly without
 --    reading the table. Rows enter it only when an attempt fails.
 
-ALTER TABLE "{{schema}}"."{{table}}" ADD COLUMN failures JSONB DEFAULT NULL;
+ALTER TABLE "{{schema}}"."{{table}}" ADD COLUMN IF NOT EXISTS failures JSONB DEFAULT NULL;
 
 -- The history with one more failed attempt, the oldest dropped past ten. Called by the
 -- two functions below only when an attempt failed.
-CREATE FUNCTION "{{schema}}"."{{table}}_failure_added"(
+CREATE OR REPLACE FUNCTION "{{schema}}"."{{table}}_failure_added"(
     p_history JSONB, p_attempt INT, p_worker TEXT, p_claimed TIMESTAMPTZ, p_error TEXT,
     p_outcome TEXT)
 RETURNS JSONB
@@ -56,7 +58,7 @@ AS $fn$
 $fn$;
 
 -- Per topic and minute, the consumers' counts (see 2. above).
-CREATE TABLE "{{schema}}"."{{table}}_rollups" (
+CREATE TABLE IF NOT EXISTS "{{schema}}"."{{table}}_rollups" (
     minute   TIMESTAMPTZ NOT NULL,  -- the minute's start
     topic    TEXT        NOT NULL,
     done     BIGINT      NOT NULL DEFAULT 0,
@@ -68,10 +70,7 @@ CREATE TABLE "{{schema}}"."{{table}}_rollups" (
     PRIMARY KEY (topic, minute)
 );
 -- the overview's chart over every topic, and the deletion of old minutes
-CREATE INDEX "{{table}}_rollups_minute_idx" ON "{{schema}}"."{{table}}_rollups" (minute);
-
-CREATE INDEX "{{table}}_retry_idx" ON "{{schema}}"."{{table}}" (topic, available_at)
-    WHERE status = 'retry';
+CREATE INDEX IF NOT EXISTS "{{table}}_rollups_minute_idx" ON "{{schema}}"."{{table}}_rollups" (minute);
 
 -- A raw INSERT may not set the new column either (0013's check, restated with it).
 CREATE OR REPLACE FUNCTION "{{schema}}"."{{table}}_refuse_insert"() RETURNS trigger
@@ -120,7 +119,7 @@ END
 $fn$;
 
 -- fires before "<table>_order" (triggers of one kind fire in name order)
-DROP TRIGGER "{{table}}_insert_check" ON "{{schema}}"."{{table}}";
+DROP TRIGGER IF EXISTS "{{table}}_insert_check" ON "{{schema}}"."{{table}}";
 CREATE TRIGGER "{{table}}_insert_check"
     BEFORE INSERT ON "{{schema}}"."{{table}}"
     FOR EACH ROW
@@ -345,3 +344,9 @@ BEGIN
     RETURN QUERY SELECT * FROM unnest(ids, topics, statuses, workers);
 END
 $fn$;
+
+-- 3. above, last: built without blocking writers (a step outside any transaction, see
+-- the migration runner); the steps before it may run again if the build is interrupted.
+-- step: concurrent index
+CREATE INDEX CONCURRENTLY IF NOT EXISTS "{{table}}_retry_idx" ON "{{schema}}"."{{table}}"
+    (topic, available_at) WHERE status = 'retry';

@@ -1,8 +1,8 @@
-"""Upgrading a live outbox: schema 17 with a backlog, producers inserting and a consumer
-of the release before migration 0016 handling events while `migrate` runs to head.
+"""Upgrading a live outbox: schema 15 (the last release's) with a backlog, producers
+inserting and that release's consumer handling events while `migrate` runs to head.
 
-Migration 0018 builds the claim's new index with CREATE INDEX CONCURRENTLY, in a step
-outside a transaction: no producer waits for a lock while the index is being built (a
+Migrations 0017 and 0018 build their indexes with CREATE INDEX CONCURRENTLY, in steps
+outside a transaction: no producer waits for a lock while an index is being built (a
 watcher samples pg_stat_progress_create_index and the producers' wait events every few
 milliseconds). An interrupted build (its backend cancelled) leaves an invalid index and
 an unrecorded migration, which the next `migrate` completes.
@@ -27,19 +27,19 @@ from aiooutbox.migrations import latest_version, migration_sql, migrations
 from benchmarks.live_upgrade import BACKLOG_TOPIC, TOPIC, load_backlog, migrate_to, upgrade
 from tests.helpers import extract_release, wait_until
 
-# the last release before groups and low marks (its package checks schema 15; a database
-# migrated to 17 keeps it working, as every migration here keeps the previous release's)
-BEFORE_0018 = "900cf10"
+# the last release (schema 15): before attempt history, groups and low marks
+RELEASE_15 = "900cf10"
 BACKLOG = 300_000
+AFTER_15 = [m.version for m in migrations() if m.version > 15]
 HEAD = [m.version for m in migrations() if m.version > 17]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 @pytest.fixture(scope="module")
-def release_17(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The package (and its schema files) as of schema 17, extracted from git."""
-    return extract_release(tmp_path_factory.mktemp("release17"), BEFORE_0018, "aiooutbox", "schema")
+def release_15(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The last release's package (and its schema files), extracted from git."""
+    return extract_release(tmp_path_factory.mktemp("release15"), RELEASE_15, "aiooutbox", "schema")
 
 
 OLD_CONSUMER = textwrap.dedent(
@@ -86,7 +86,7 @@ async def _start_old(release: Path, dsn: str) -> asyncio.subprocess.Process:
     line = await asyncio.wait_for(proc.stdout.readline(), 60)
     if line.strip() != b"started":
         err = await proc.stderr.read()
-        raise AssertionError(f"the schema-17 consumer did not start: {err.decode()}")
+        raise AssertionError(f"the last release's consumer did not start: {err.decode()}")
     return proc
 
 
@@ -99,10 +99,10 @@ async def _stop_old(proc: asyncio.subprocess.Process) -> str:
     return err.decode()
 
 
-async def _at_17_with_backlog(dsn: str) -> None:
+async def _with_backlog(dsn: str, version: int = 17) -> None:
     conn = await asyncpg.connect(dsn)
     try:
-        await migrate_to(conn, 17)
+        await migrate_to(conn, version)
         await load_backlog(conn, BACKLOG)
         await conn.execute("CREATE TABLE handled_by (id bigint PRIMARY KEY)")
     finally:
@@ -139,18 +139,18 @@ async def _shape(dsn: str) -> dict[str, object]:
     }
 
 
-async def test_migrate_a_live_outbox_from_17_blocks_no_producer(
-    empty_dsn: str, dsn: str, release_17: Path
+async def test_migrate_a_live_outbox_from_the_last_release_blocks_no_producer(
+    empty_dsn: str, dsn: str, release_15: Path
 ) -> None:
-    await _at_17_with_backlog(empty_dsn)
-    old = await _start_old(release_17, empty_dsn)
+    await _with_backlog(empty_dsn, 15)
+    old = await _start_old(release_15, empty_dsn)
     try:
         # two migrates at once, as two deploys starting together: one applies, one waits
         result = await upgrade(empty_dsn, producers=4, migrate_dsns=2)
     finally:
         err = await _stop_old_when_done(old, empty_dsn)
     print(
-        f"\nlive upgrade from 17 with {BACKLOG:,} pending rows: migrate took"
+        f"\nlive upgrade from 15 with {BACKLOG:,} pending rows: migrate took"
         f" {result['migrate_s']} s; longest insert {result['longest_stall_ms']} ms"
         f" (p99 {result['p99_insert_ms']} ms) over {result['inserts']} inserts;"
         f" {result['building_samples']} samples while the index was being built"
@@ -163,7 +163,7 @@ async def test_migrate_a_live_outbox_from_17_blocks_no_producer(
     assert result["blocked_while_building"] == 0, shown
     assert any("validation" in p for p in result["phases"]), shown  # a concurrent build's
     # each migration applied once, by one of the two (they may share the work)
-    assert sorted(v for applied in result["applied"] for v in applied) == HEAD
+    assert sorted(v for applied in result["applied"] for v in applied) == AFTER_15
     assert result["longest_stall_ms"] < 10_000, shown  # generous: a stall of the build's length
     # nothing lost: every event the producers committed was handled by the old consumer
     conn = await asyncpg.connect(empty_dsn)
@@ -213,7 +213,7 @@ async def _index_state(conn: asyncpg.Connection, name: str) -> bool | None:
 async def test_an_interrupted_concurrent_build_is_completed_by_the_next_migrate(
     empty_dsn: str, dsn: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    await _at_17_with_backlog(empty_dsn)
+    await _with_backlog(empty_dsn)
     conn = await asyncpg.connect(empty_dsn)
     watcher = await asyncpg.connect(empty_dsn)
     try:
@@ -277,7 +277,7 @@ async def test_a_migrate_in_one_transaction_waits_for_a_concurrent_build(empty_d
     `migrate` builds concurrently neither queues for the outbox table's lock (which would
     block every writer behind it until the build ends) nor waits holding a snapshot the
     build would wait for: it tries the build lock until the build is done."""
-    await _at_17_with_backlog(empty_dsn)
+    await _with_backlog(empty_dsn)
     first, second, watcher = [await asyncpg.connect(empty_dsn) for _ in range(3)]
     try:
         building = asyncio.create_task(aiooutbox.migrate(first))
