@@ -222,7 +222,10 @@ class RedisSink(Sink):
         """Send the ``packed`` commands on one connection, read their replies: each
         one's error, or None; after a lost connection, the error for the rest."""
         pool = self._client.connection_pool
-        connection = await pool.get_connection()
+        try:
+            connection = await pool.get_connection()
+        except TypeError:  # redis-py before 5.3 wants the command's name
+            connection = await pool.get_connection("XADD")
         replies: list[BaseException | None] = []
         try:
             await connection.send_packed_command(b"".join(packed))
