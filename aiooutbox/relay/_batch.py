@@ -14,6 +14,11 @@ before it. A key whose event failed (retried) holds its later events of the batc
 back unpublished (`HeldBack`), as a consumer holds a key behind a failed head; a
 refused (dead) event does not, unless the handler blocks its key (``on_dead="block"``).
 
+A sink that can keep a key's order within one call (``_send_runs``: Kafka, whose record
+batch is stored whole or not at all) gets the whole batch in one call instead of waves,
+the events that failed before publishing and their keys' later events taken out; it
+holds a key's later events back itself.
+
 Within a wave every message is sorted on its own, as a single publish is: refused for
 good (`Dead`), failed (the exception, retried by the consumer), or an outage: then the
 messages the outage hit are published again, no attempt spent, after a pause that
@@ -166,8 +171,7 @@ async def publish(
                 item.look = readable and (event.attempts > 1 or event.redelivered)
                 await _wave(sink, [item], failures)
         return failures or None
-    waves: list[list[_Item]] = [[]]
-    depth: dict[str, int] = {}
+    items = []
     for event in events:
         try:
             item = _Item(event, sink._prepare(event), None)
@@ -175,6 +179,13 @@ async def publish(
             item = _Item(event, None, exc)
         else:
             item.look = readable and (event.attempts > 1 or event.redelivered)
+        items.append(item)
+    if getattr(sink, "_send_runs", None) is not None:  # a key's events in one call
+        await _wave(sink, _runs(items, failures, hold_after_dead), failures, hold_after_dead)
+        return failures or None
+    waves: list[list[_Item]] = [[]]
+    depth: dict[str, int] = {}
+    for item in items:
         level = 0
         if item.key is not None:
             level = depth.get(item.key, 0)
@@ -190,10 +201,7 @@ async def publish(
         ready = []
         for item in wave:
             if item.key is not None and item.key in blocked:
-                failures[item.event.id] = HeldBack(
-                    f"not published: an earlier event of ordering key {item.key!r} in the "
-                    "same batch was not published"
-                )
+                failures[item.event.id] = _held_back(item.key)
             elif item.error is not None:
                 failures[item.event.id] = item.error
             else:
@@ -208,8 +216,41 @@ async def publish(
     return failures or None
 
 
-async def _wave(sink: Publisher, items: list[_Item], failures: dict[int, BaseException]) -> None:
-    """Publish ``items`` (no two of one key) until each has its outcome."""
+def _runs(
+    items: list[_Item], failures: dict[int, BaseException], hold_after_dead: bool
+) -> list[_Item]:
+    """The items to publish in one call, in order: all but those that failed before
+    publishing and the later events of their keys (`HeldBack`)."""
+    blocked: set[str] = set()
+    ready = []
+    for item in items:
+        key = item.key
+        if key is not None and key in blocked:
+            failures[item.event.id] = _held_back(key)
+        elif item.error is not None:
+            failures[item.event.id] = item.error
+            if key is not None and (hold_after_dead or not isinstance(item.error, Dead)):
+                blocked.add(key)
+        else:
+            ready.append(item)
+    return ready
+
+
+def _held_back(key: str) -> HeldBack:
+    return HeldBack(
+        f"not published: an earlier event of ordering key {key!r} in the same batch was "
+        "not published"
+    )
+
+
+async def _wave(
+    sink: Publisher,
+    items: list[_Item],
+    failures: dict[int, BaseException],
+    hold_after_dead: bool = False,
+) -> None:
+    """Publish ``items`` (no two of one key, unless the sink takes a key's events in
+    one call: `_send_runs`) until each has its outcome."""
     deadline: float | None = None
     pause = _PAUSE
     todo = items
@@ -224,7 +265,7 @@ async def _wave(sink: Publisher, items: list[_Item], failures: dict[int, BaseExc
         if any(item.look for item in todo):
             fresh = await _look_up(sink, todo, outcomes)
         if fresh:
-            sent = await _send(sink, [item.message for item in fresh])  # type: ignore[misc]
+            sent = await _send(sink, fresh, hold_after_dead)
             outcomes += zip(fresh, sent, strict=True)
         again: list[tuple[_Item, BaseException]] = []
         landed = False
@@ -270,18 +311,24 @@ async def _look_up(
     sink: Publisher, todo: list[_Item], outcomes: list[tuple[_Item, BaseException | None]]
 ) -> list[_Item]:
     """Look the items that may be in the broker already up; those found are done (no
-    outcome), a failed look-up is an outcome (made again after an outage); the rest,
-    to publish, are returned."""
+    outcome), a failed look-up is an outcome (made again after an outage), for the
+    later items of its key too; the rest, to publish, are returned."""
     fresh: list[_Item] = []
+    stalled: dict[str, BaseException] = {}  # keys whose look-up failed: not published now
     asked = time.monotonic()  # every look-up of this pass is served by one read
     for item in todo:
         message = item.message
         assert message is not None
+        if item.key is not None and item.key in stalled:
+            outcomes.append((item, stalled[item.key]))
+            continue
         if item.look:
             try:
                 found = await sink._published(message, asked)
             except Exception as exc:
                 outcomes.append((item, exc))
+                if item.key is not None:
+                    stalled[item.key] = exc
                 continue
             if found:
                 sink.found_published += 1
@@ -297,23 +344,53 @@ async def _look_up(
     return fresh
 
 
-async def _send(sink: Publisher, messages: list[Message]) -> list[BaseException | None]:
-    """``messages`` through the sink's pipelined call, within its ``max_in_flight``;
-    a call that fails as a whole fails every message with it."""
+async def _send(
+    sink: Publisher, items: list[_Item], hold_after_dead: bool
+) -> list[BaseException | None]:
+    """The items' messages through the sink's pipelined call, within its
+    ``max_in_flight``; a call that fails as a whole fails every message with it. A
+    sink that takes a key's events in one call (`_send_runs`) gets them in calls of at
+    most ``max_in_flight``, one after another: a key's events after one that failed in
+    an earlier call are held back."""
+    messages: list[Message] = [item.message for item in items]  # type: ignore[misc]
+    runs = getattr(sink, "_send_runs", None)
     window = sink._window
     if window is None:
         try:
+            if runs is not None:
+                return await runs(messages, hold_after_dead)  # type: ignore[no-any-return]
             return await sink._send_many(messages)
         except Exception as exc:
             return [exc] * len(messages)
     results: list[BaseException | None] = []
+    failed: set[str] = set()
     for start in range(0, len(messages), window.size):
         chunk = messages[start : start + window.size]
+        held: dict[int, BaseException] = {}
+        if failed:  # a key failed in an earlier call: its later events are held back
+            for i, message in enumerate(chunk):
+                if message.key is not None and message.key in failed:
+                    held[i] = _held_back(message.key)
+            chunk = [m for i, m in enumerate(chunk) if i not in held]
         await window.acquire(len(chunk))
         try:
-            results += await sink._send_many(chunk)
+            if runs is not None:
+                sent = await runs(chunk, hold_after_dead)
+            else:
+                sent = await sink._send_many(chunk)
         except Exception as exc:
-            results += [exc] * len(chunk)
+            sent = [exc] * len(chunk)
         finally:
             window.release(len(chunk))
+        got = iter(sent)
+        for i in range(len(chunk) + len(held)):
+            results.append(held[i] if i in held else next(got))
+        if runs is not None:
+            for message, error in zip(chunk, sent, strict=True):
+                if (
+                    error is not None
+                    and message.key is not None
+                    and (hold_after_dead or sink._refusal(error, message) is None)
+                ):
+                    failed.add(message.key)
     return results

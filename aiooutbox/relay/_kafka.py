@@ -16,7 +16,6 @@ again (`relay._lookup`, `relay._kafka_read`). First attempts never look. Idempot
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import re
 from collections.abc import Callable, Hashable
@@ -25,6 +24,7 @@ from typing import Any
 
 from ..events import Event
 from ._kafka_read import KafkaReader
+from ._kafka_send import send_runs
 from ._lookup import Lookup, check_skew
 from ._sink import BrokerUnavailable, Message, Sink, require
 
@@ -54,12 +54,6 @@ def topic_problem(topic: str) -> str | None:
         "not a valid Kafka topic name: Kafka allows 1-249 characters of "
         "[a-zA-Z0-9._-], and not '.' or '..'"
     )
-
-
-def _retrieved(future: asyncio.Future[Any]) -> None:
-    """Take a late delivery's outcome, so that asyncio does not log it as lost."""
-    if not future.cancelled():
-        future.exception()
 
 
 class _QuietInitProducerId(logging.Filter):
@@ -129,6 +123,8 @@ class KafkaSink(Sink):
         self._aiokafka = require("aiokafka", "kafka")
         self._errors = require("aiokafka.errors", "kafka")
         errors = self._errors
+        records = require("aiokafka.record.default_records", "kafka")
+        self._estimate = records.DefaultRecordBatchBuilder.estimate_size_in_bytes
         self._refused = tuple(getattr(errors, n) for n in _REFUSED if hasattr(errors, n))
         self.bootstrap_servers = bootstrap_servers
         self.default_key = default_key
@@ -221,44 +217,17 @@ class KafkaSink(Sink):
         await asyncio.wait_for(future, self.publish_timeout)
 
     async def _send_many(self, messages: list[Message]) -> list[BaseException | None]:
-        """Every record appended to the producer's batches (``send``), then the
-        deliveries awaited together: the client packs them into one produce request per
-        broker. Records of one partition are delivered in the order sent (one request
-        in flight per broker, a retried batch put back first), but a record batch that
-        fails lets the next one through: so the sink never has two events of one key
-        in flight (`relay._batch`)."""
-        producer = self._producer
-        results: list[BaseException | None] = [None] * len(messages)
-        # a topic whose partitions the client does not know yet makes ``send`` wait for
-        # its metadata: asked for at once, not one message after another
-        missing = await self._metadata({m.destination for m in messages})
-        deliveries: dict[asyncio.Future[Any], int] = {}
-        for i, message in enumerate(messages):
-            problem = missing.get(message.destination)
-            if problem is not None:
-                results[i] = problem
-                continue
-            try:
-                future = await producer.send(
-                    message.destination, value=message.body, key=self._key(message),
-                    headers=[(k, v.encode()) for k, v in message.headers.items()],
-                )  # fmt: skip
-            except Exception as exc:  # refused by the client (too large, ...), or closed
-                results[i] = exc
-                continue
-            deliveries[future] = i
-        if deliveries:
-            done, late = await asyncio.wait(deliveries, timeout=self.publish_timeout)
-            for future in done:
-                results[deliveries[future]] = future.exception()
-            if late:
-                timeout = self._errors.KafkaTimeoutError(
-                    f"no acknowledgement within {self.publish_timeout:g}s"
-                )
-                for future in late:
-                    results[deliveries[future]] = timeout
-                    future.add_done_callback(_retrieved)  # its late outcome is nobody's
-        return await self._alone(messages, results)
+        """Records put into record batches of their partition, the deliveries awaited
+        together: the client packs them into one produce request per broker
+        (`relay._kafka_send`)."""
+        return await send_runs(self, messages, False)
+
+    async def _send_runs(
+        self, messages: list[Message], hold_after_dead: bool
+    ) -> list[BaseException | None]:
+        """As `_send_many`, several events of one ordering key allowed: a key's events
+        of one partition go in one record batch, stored whole or not at all."""
+        return await send_runs(self, messages, hold_after_dead)
 
     async def _metadata(self, topics: set[str]) -> dict[str, BaseException]:
         """Fetch the partitions of the ``topics`` the client does not know; the error of
@@ -271,27 +240,6 @@ class KafkaSink(Sink):
             *(self._producer.partitions_for(t) for t in unknown), return_exceptions=True
         )
         return {t: r for t, r in zip(unknown, found, strict=True) if isinstance(r, Exception)}
-
-    async def _alone(
-        self, messages: list[Message], results: list[BaseException | None]
-    ) -> list[BaseException | None]:
-        """A refusal the broker answered for a whole record batch (over its
-        ``message.max.bytes``, an invalid record) names no record: each record it hit
-        is produced again on its own, so that only the one refused is dead."""
-        shared = collections.Counter(id(r) for r in results if r is not None)
-        for i, result in enumerate(results):
-            if (
-                result is not None
-                and shared[id(result)] > 1
-                and self._refusal(result, messages[i]) is not None
-            ):
-                try:
-                    await self._send(messages[i])
-                except Exception as exc:
-                    results[i] = exc
-                else:
-                    results[i] = None
-        return results
 
     def _destination_problem(self, destination: str) -> str | None:
         return topic_problem(destination)
