@@ -379,7 +379,7 @@ async def test_two_quick_stops_during_a_claim_strand_nothing(pool: asyncpg.Pool)
         return bool(
             await pool.fetchval(
                 "SELECT count(*) FROM pg_stat_activity"
-                " WHERE state = 'active' AND query ~ 'claim_v[789]' AND pid <> pg_backend_pid()"
+                " WHERE state = 'active' AND query ~ 'claim_v[0-9]+' AND pid <> pg_backend_pid()"
             )
         )
 
