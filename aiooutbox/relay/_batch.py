@@ -43,7 +43,7 @@ from ..events import Event
 from ._lookup import Lookup
 from ._message import Message, ordering_key, shown
 
-__all__ = ["HeldBack", "Publisher", "Window", "publish"]
+__all__ = ["HeldBack", "Publisher", "Window", "held_back", "publish"]
 
 logger = logging.getLogger("aiooutbox.relay")
 
@@ -201,7 +201,7 @@ async def publish(
         ready = []
         for item in wave:
             if item.key is not None and item.key in blocked:
-                failures[item.event.id] = _held_back(item.key)
+                failures[item.event.id] = held_back(item.key)
             elif item.error is not None:
                 failures[item.event.id] = item.error
             else:
@@ -226,7 +226,7 @@ def _runs(
     for item in items:
         key = item.key
         if key is not None and key in blocked:
-            failures[item.event.id] = _held_back(key)
+            failures[item.event.id] = held_back(key)
         elif item.error is not None:
             failures[item.event.id] = item.error
             if key is not None and (hold_after_dead or not isinstance(item.error, Dead)):
@@ -236,7 +236,8 @@ def _runs(
     return ready
 
 
-def _held_back(key: str) -> HeldBack:
+def held_back(key: str) -> HeldBack:
+    """The outcome of a key's event left unpublished behind an earlier one that failed."""
     return HeldBack(
         f"not published: an earlier event of ordering key {key!r} in the same batch was "
         "not published"
@@ -370,7 +371,7 @@ async def _send(
         if failed:  # a key failed in an earlier call: its later events are held back
             for i, message in enumerate(chunk):
                 if message.key is not None and message.key in failed:
-                    held[i] = _held_back(message.key)
+                    held[i] = held_back(message.key)
             chunk = [m for i, m in enumerate(chunk) if i not in held]
         await window.acquire(len(chunk))
         try:

@@ -19,7 +19,7 @@ import asyncio
 import collections
 from typing import Any
 
-from ._batch import HeldBack
+from ._batch import held_back
 from ._message import Message
 
 __all__ = ["send_runs"]
@@ -33,13 +33,6 @@ def _retrieved(future: asyncio.Future[Any]) -> None:
     """Take a late delivery's outcome, so that asyncio does not log it as lost."""
     if not future.cancelled():
         future.exception()
-
-
-def _held_back(key: str) -> HeldBack:
-    return HeldBack(
-        f"not published: an earlier event of ordering key {key!r} in the same batch was "
-        "not published"
-    )
 
 
 async def send_runs(sink: Any, messages: list[Message], hold_after_dead: bool) -> Results:
@@ -139,7 +132,7 @@ async def _round(
                 later.append(i)
                 continue
             if order in failed:
-                results[i] = _held_back(order)
+                results[i] = held_back(order)
                 continue
         record = records[i]
         if record is None:  # refused before sending
@@ -231,7 +224,7 @@ async def _alone(
             and sink._refusal(result, message) is not None
         ):
             if order is not None and order in failed:
-                results[i] = _held_back(order)
+                results[i] = held_back(order)
             else:
                 try:
                     await sink._send(message)
