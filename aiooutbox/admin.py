@@ -192,10 +192,15 @@ async def stats(
     a = admin_queries(schema, table)
     async with _connection(db) as conn:
         counts = list(await conn.fetch(a.unfinished_by_topic))
-        done = {r[0]: int(r[1]) for r in await conn.fetch(a.done_by_topic_bounded, BOUND)}
-        estimated = sum(done.values()) >= BOUND
-        if estimated:
-            done = await _estimated_done(conn, a, sum(int(r[2]) for r in counts))
+        found = await conn.fetch(a.done_by_topic_bounded, BOUND)
+        kept = {r[0]: int(r[1]) for r in found if r[1]}
+        ring = {r[0]: int(r[2]) for r in found if r[2]}
+        estimated = sum(kept.values()) >= BOUND or sum(ring.values()) >= BOUND
+        if sum(kept.values()) >= BOUND:
+            kept = await _estimated_done(conn, a, False, sum(int(r[2]) for r in counts))
+        if sum(ring.values()) >= BOUND:
+            ring = await _estimated_done(conn, a, True, 0)
+        done = {t: kept.get(t, 0) + ring.get(t, 0) for t in kept.keys() | ring.keys()}
         counts += [(t, "done", n) for t, n in done.items()]
         lags = {r[0]: r[1] for r in await conn.fetch(a.oldest_claimable)}
         workers = await conn.fetch(a.in_flight_by_worker)
@@ -221,14 +226,19 @@ async def stats(
     )
 
 
-async def _estimated_done(conn: Any, a: AdminQueries, unfinished: int) -> dict[str, int]:
-    """``done`` rows by topic, estimated: the planner's rows less the ``unfinished``
-    (at least `BOUND`: that many were found), shared as a sample of pages shares them."""
-    total = max(round(await estimate_rows(conn, a.explain_rows)) - unfinished, BOUND)
-    percent = sample_percent(await conn.fetchval(a.table_pages, a.qualified))
+async def _estimated_done(
+    conn: Any, a: AdminQueries, ring: bool, unfinished: int
+) -> dict[str, int]:
+    """``done`` rows by topic, of the outbox or of its ring, estimated: the planner's
+    rows less the ``unfinished`` (at least `BOUND`: that many were found), shared as a
+    sample of pages shares them."""
+    total = max(round(await estimate_rows(conn, a.explain_rows(ring))) - unfinished, BOUND)
+    source = a.outbox.done_table if ring else a.qualified
+    percent = sample_percent(await conn.fetchval(a.table_pages, source))
     # one seed for ten minutes: the same pages, and numbers that do not jitter
     seed = float(int(time.time() // 600))
-    sample = {r[0]: int(r[1]) for r in await conn.fetch(a.done_sample_by_topic, percent, seed)}
+    sample_sql = a.done_sample_by_topic(ring)
+    sample = {r[0]: int(r[1]) for r in await conn.fetch(sample_sql, percent, seed)}
     seen = sum(sample.values())
     return {t: round(total * n / seen) for t, n in sample.items()} if seen else {}
 
@@ -438,7 +448,9 @@ async def purge(
     """Delete ``done`` (or ``dead``) events finished more than ``older_than`` ago.
 
     Deletes in batches of ``batch_size``, each its own statement, so that a large purge
-    never holds locks for long; returns how many rows went. Unfinished events can never
+    never holds locks for long; returns how many rows went. ``done`` events are deleted
+    from the outbox and from its ring of finished events, row by row (consumers'
+    retention empties the ring's slots whole instead, by ``TRUNCATE``). Unfinished events can never
     be purged. Purging ``dead`` events moves the ordered keys they blocked on, as
     `dead_purge` does.
     """
@@ -454,10 +466,15 @@ async def purge(
     async with _connection(db) as conn:
         while True:
             if status == "done":
-                result: str = await conn.execute(q.purge_done, age, batch_size)
-                count = int(result.rsplit(" ", 1)[-1])
+                counts = []
+                for sql in (q.purge_done, a.purge_ring):
+                    result: str = await conn.execute(sql, age, batch_size)
+                    counts.append(int(result.rsplit(" ", 1)[-1]))
+                deleted += sum(counts)
+                full = max(counts) >= batch_size  # another batch while either was full
             else:  # the keys a purged dead event blocked move on (see `delete_dead`)
                 count = len(await _delete_dead(conn, a, None, None, age, batch_size))
-            deleted += count
-            if count < batch_size:
+                deleted += count
+                full = count >= batch_size
+            if not full:
                 return deleted

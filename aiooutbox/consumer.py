@@ -100,8 +100,11 @@ class OutboxConsumer:
     - ``retry=RetryPolicy()``: backoff after an exception (1 s doubling, capped at 1 h,
       full jitter); a per-topic `Handler(retry=...)` overrides it.
     - ``handler_timeout=None``: no limit; a timeout counts as a failure.
-    - ``retention=7 days``: ``done`` rows older than this are purged in batches of 1000,
-      each its own short transaction, at start and then every minute; while batches
+    - ``retention=7 days``: finished events older than this leave, at start and then
+      every minute. Those in the ring of finished events (every event without a
+      ``dedupe_key``) leave a slot at a time, by ``TRUNCATE``, once every event in the
+      slot is older; those kept in the outbox are purged in batches of 1000,
+      each its own short transaction; while batches
       come back full, rounds of back-to-back batches (0.25 s at most each) follow one
       another after nine times their duration, so the purge keeps up with up to about
       a tenth of what one connection deletes (5,000-11,000 rows/s per outbox, measured

@@ -52,7 +52,7 @@ def truthy(check: Callable[[], object]) -> Callable[[], Awaitable[bool]]:
 
 
 async def status_counts(db: asyncpg.Pool | asyncpg.Connection) -> dict[str, int]:
-    rows = await db.fetch("SELECT status::text, count(*) FROM outbox_events GROUP BY 1")
+    rows = await db.fetch("SELECT status::text, count(*) FROM outbox_events_all GROUP BY 1")
     return {r[0]: r[1] for r in rows}
 
 

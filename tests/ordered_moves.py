@@ -100,7 +100,9 @@ class DeadHeads:
             return await admin.dead_purge(self.pool, everything=True)
         if tool == "admin.dead_purge(topic)":
             return await admin.dead_purge(self.pool, topic=TOPIC)
-        ids = await self.pool.fetch("SELECT id FROM outbox_events WHERE status = 'dead' LIMIT 50")
+        ids = await self.pool.fetch(
+            "SELECT id FROM outbox_events_all WHERE status = 'dead' LIMIT 50"
+        )
         if not ids:
             return 0
         return await admin.dead_purge(self.pool, ids=[r["id"] for r in ids])
@@ -128,7 +130,7 @@ class DeadHeads:
         was purged; each purge deleted only those."""
         problems = []
         left = await self.pool.fetch(
-            "SELECT id, status::text FROM outbox_events WHERE id = ANY($1)", self.ids
+            "SELECT id, status::text FROM outbox_events_all WHERE id = ANY($1)", self.ids
         )
         gone = set(self.ids) - {r["id"] for r in left}
         if gone != set(self.dying):
@@ -153,7 +155,7 @@ class DeadHeads:
 
 # events done without a successful run
 NEVER_RAN = """
-SELECT count(*) FROM outbox_events e WHERE e.status = 'done'
+SELECT count(*) FROM outbox_events_all e WHERE e.status = 'done'
   AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.event_id = e.id AND r.outcome = 'ok')
 """
 # runs of a freezing loop whose key another consumer ran during the freeze
@@ -176,7 +178,7 @@ async def freezes_measured(pool: asyncpg.Pool) -> dict[str, object]:
     # there whose last error it was)
     recovered = await pool.fetch(
         "SELECT substring(last_error FROM 'worker (p[0-9])') AS worker, count(*)"
-        " FROM outbox_events WHERE last_error LIKE 'lease expired%' GROUP BY 1 ORDER BY 1"
+        " FROM outbox_events_all WHERE last_error LIKE 'lease expired%' GROUP BY 1 ORDER BY 1"
     )
     return {
         "stalls (worker, deliberate, count, longest s)": [tuple(r) for r in stalls],
@@ -198,7 +200,8 @@ async def show(pool: asyncpg.Pool, runs: str) -> None:
     # the events themselves: last_error names a lease recovery and the worker it took the
     # row from, which tells a late settlement from a lost one
     for r in await pool.fetch(
-        "SELECT e.id, e.status::text, e.attempts, e.locked_by, e.last_error FROM outbox_events e"
+        "SELECT e.id, e.status::text, e.attempts, e.locked_by, e.last_error"
+        " FROM outbox_events_all e"
         f" WHERE e.ordering_key IN (SELECT okey FROM ({keys}) k) ORDER BY e.ordering_key, e.id"
     ):
         print(dict(r))

@@ -73,7 +73,7 @@ async def produce(
             try:
                 # the snapshot: the first statement of the transaction takes it
                 await conn.fetchval(
-                    "SELECT count(*) FROM outbox_events WHERE ordering_key = $1", key
+                    "SELECT count(*) FROM outbox_events_all WHERE ordering_key = $1", key
                 )
                 if after_snapshot is not None:
                     await after_snapshot()
@@ -148,7 +148,7 @@ class SideTraffic:
         seq = 0
         mate = 0
         turn = 0
-        busy = "SELECT count(*) FROM outbox_events WHERE ordering_key = $1 AND status <> 'done'"
+        busy = "SELECT count(*) FROM outbox_events_all WHERE ordering_key = $1 AND status <> 'done'"
         while not stop.is_set():
             if await self.pool.fetchval(busy, key):
                 await asyncio.sleep(0.01)
@@ -163,7 +163,7 @@ class SideTraffic:
                 )
                 mate += 1
                 self.accepted += 1
-                status = "SELECT status::text FROM outbox_events WHERE id = $1"
+                status = "SELECT status::text FROM outbox_events_all WHERE id = $1"
                 while await self.pool.fetchval(status, event_id) == "pending":
                     await asyncio.sleep(0.002)
 

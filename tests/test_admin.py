@@ -80,7 +80,7 @@ async def test_stats_counts_lag_and_workers(pool: asyncpg.Pool) -> None:
         # held as a claim holds it: with a lease (stats counts processing rows by it)
         "UPDATE outbox_events SET status = 'processing', locked_by = 'w1',"
         " locked_at = now() - interval '5 seconds', lease_expires_at = now() + interval '25 s'"
-        " WHERE id = (SELECT min(id) FROM outbox_events)"
+        " WHERE id = (SELECT min(id) FROM outbox_events_all)"
     )
     report = await admin.stats(pool)
     assert report.outbox == "public.outbox_events"
@@ -141,7 +141,7 @@ async def test_dead_retry_requeues_and_wakes_consumers(pool: asyncpg.Pool) -> No
             assert await admin.dead_retry(pool, topic="a") == {}
         finally:  # a pooled connection must not go back with a listener on it
             await listener.remove_listener(queries().channel, notified)
-    rows = await pool.fetch("SELECT DISTINCT status::text, attempts FROM outbox_events")
+    rows = await pool.fetch("SELECT DISTINCT status::text, attempts FROM outbox_events_all")
     assert [tuple(r) for r in rows] == [("pending", 0)]
 
 

@@ -24,7 +24,7 @@ from aiooutbox import InvalidArgument, NewEvent, OutboxConsumer
 async def conn(shared_dsn: str) -> AsyncIterator[asyncpg.Connection]:
     c = await asyncpg.connect(shared_dsn)
     try:
-        assert await c.fetchval("SELECT count(*) FROM outbox_events") == 0
+        assert await c.fetchval("SELECT count(*) FROM outbox_events_all") == 0
         yield c
     finally:
         await c.close()
@@ -186,10 +186,10 @@ def event_kwargs(case: dict[str, Any]) -> dict[str, Any]:
 async def assert_untouched_then_usable(conn: asyncpg.Connection) -> None:
     """Inside the still-open transaction: nothing written, and work can go on."""
     assert conn.is_in_transaction()
-    assert await conn.fetchval("SELECT count(*) FROM outbox_events") == 0
+    assert await conn.fetchval("SELECT count(*) FROM outbox_events_all") == 0
     good = await aiooutbox.enqueue(conn, "after.error", {"ok": True}, dedupe_key="after")
     assert isinstance(good, int)
-    rows = await conn.fetch("SELECT topic, payload::text FROM outbox_events")
+    rows = await conn.fetch("SELECT topic, payload::text FROM outbox_events_all")
     assert [tuple(r) for r in rows] == [("after.error", '{"ok": true}')]
 
 

@@ -27,14 +27,14 @@ def consumer_of(pool: asyncpg.Pool, **options: Any) -> aiooutbox.OutboxConsumer:
 
 async def rows(pool: asyncpg.Pool) -> dict[int, tuple[str, int, str | None]]:
     """id -> (status, attempts, last_error)."""
-    found = await pool.fetch("SELECT id, status::text, attempts, last_error FROM outbox_events")
+    found = await pool.fetch("SELECT id, status::text, attempts, last_error FROM outbox_events_all")
     return {r[0]: (r[1], r[2], r[3]) for r in found}
 
 
 def finished(pool: asyncpg.Pool, total: int) -> Callable[[], Awaitable[bool]]:
     async def check() -> bool:
         n = await pool.fetchval(
-            "SELECT count(*) FROM outbox_events WHERE status IN ('done', 'dead')"
+            "SELECT count(*) FROM outbox_events_all WHERE status IN ('done', 'dead')"
         )
         return bool(n == total)
 
@@ -311,7 +311,7 @@ async def test_a_failing_event_sends_its_keys_later_events_back_to_wait(
         (r[0], r[1]): (r[2], r[3])
         for r in await pool.fetch(
             "SELECT ordering_key, (payload->>'seq')::int, status::text, attempts"
-            " FROM outbox_events WHERE ordering_key IS NOT NULL"
+            " FROM outbox_events_all WHERE ordering_key IS NOT NULL"
         )
     }
     assert found[("a", 0)] == ("done", 2) and found[("b", 2)] == ("done", 2)
@@ -454,7 +454,7 @@ async def test_bad_batch_handlers_are_refused_before_anything_is_written(
     async with consumer:
         with pytest.raises(error, match=says):
             await consumer.run({"t": make()})
-    assert await pool.fetchval("SELECT count(*) FROM outbox_events") == 0
+    assert await pool.fetchval("SELECT count(*) FROM outbox_events_all") == 0
 
 
 def test_router_batch_checks_its_size() -> None:

@@ -64,10 +64,10 @@ async def test_sigkill_mid_batch_loses_nothing_and_keeps_order(
         victim.close()
         survivor.close()
 
-    statuses = await db.fetch("SELECT status::text, count(*) FROM outbox_events GROUP BY 1")
+    statuses = await db.fetch("SELECT status::text, count(*) FROM outbox_events_all GROUP BY 1")
     assert {r[0]: r[1] for r in statuses} == {"done": total}  # nothing lost
     never = await db.fetchval(
-        "SELECT count(*) FROM outbox_events e WHERE NOT EXISTS"
+        "SELECT count(*) FROM outbox_events_all e WHERE NOT EXISTS"
         " (SELECT 1 FROM runs r WHERE r.event_id = e.id)"
     )
     assert never == 0

@@ -33,7 +33,7 @@ def consumer(pool: asyncpg.Pool, **options: Any) -> aiooutbox.OutboxConsumer:
 
 async def done(pool: asyncpg.Pool, topic: str) -> int:
     n: int = await pool.fetchval(
-        "SELECT count(*) FROM outbox_events WHERE topic = $1 AND status = 'done'", topic
+        "SELECT count(*) FROM outbox_events_all WHERE topic = $1 AND status = 'done'", topic
     )
     return n
 
@@ -176,6 +176,6 @@ async def test_metrics_count_events_and_batch_sizes(pool: asyncpg.Pool) -> None:
 
 async def _finished(pool: asyncpg.Pool, n: int) -> bool:
     found = await pool.fetchval(
-        "SELECT count(*) FROM outbox_events WHERE status IN ('done', 'dead')"
+        "SELECT count(*) FROM outbox_events_all WHERE status IN ('done', 'dead')"
     )
     return bool(found == n)

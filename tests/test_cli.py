@@ -88,16 +88,16 @@ async def test_enqueue_then_stats(dsn: str, conn: asyncpg.Connection) -> None:
     assert (duplicate.rc, duplicate.out) == (0, "")
     assert "dedupe key 'k1'" in duplicate.err
 
-    row = await conn.fetchrow("SELECT * FROM outbox_events WHERE id = $1", event_id)
+    row = await conn.fetchrow("SELECT * FROM outbox_events_all WHERE id = $1", event_id)
     assert (row["topic"], json.loads(row["payload"])) == ("orders.created", {"order_id": 42})
-    delayed = await conn.fetchrow("SELECT * FROM outbox_events WHERE dedupe_key = 'k1'")
+    delayed = await conn.fetchrow("SELECT * FROM outbox_events_all WHERE dedupe_key = 'k1'")
     assert delayed["max_attempts"] == 2
     assert json.loads(delayed["headers"]) == {"trace": "t1"}
     assert await conn.fetchval(
-        "SELECT available_at > now() + interval '59 minutes' FROM outbox_events"
+        "SELECT available_at > now() + interval '59 minutes' FROM outbox_events_all"
         " WHERE dedupe_key = 'k1'"
     )
-    assert await conn.fetchval("SELECT count(*) FROM outbox_events") == 2
+    assert await conn.fetchval("SELECT count(*) FROM outbox_events_all") == 2
 
     await backdate(
         conn,
@@ -171,11 +171,13 @@ async def test_bad_input_gets_a_short_message_and_writes_nothing(
             continue
         _one_clean_error(result, rc, *fragments)
     assert "s3cret" not in "".join(r.err for r in results)
-    assert await conn.fetchval("SELECT count(*) FROM outbox_events") == 0
+    assert await conn.fetchval("SELECT count(*) FROM outbox_events_all") == 0
 
 
 async def _processing(db: asyncpg.Connection) -> list[int]:
-    rows = await db.fetch("SELECT id FROM outbox_events WHERE status = 'processing' ORDER BY id")
+    rows = await db.fetch(
+        "SELECT id FROM outbox_events_all WHERE status = 'processing' ORDER BY id"
+    )
     return [r[0] for r in rows]
 
 
@@ -192,7 +194,7 @@ async def test_sigterm_drains_in_flight_events_and_exits_0(
         assert await runner.wait() == 0, runner.stderr
     assert "SIGTERM received" in runner.stderr
     started = {int(m) for m in re.findall(r"slow handler started event (\d+)", runner.stderr)}
-    rows = await conn.fetch("SELECT id, status::text, last_error FROM outbox_events")
+    rows = await conn.fetch("SELECT id, status::text, last_error FROM outbox_events_all")
     status = {r["id"]: r["status"] for r in rows}
     assert {status[i] for i in started} == {"done"}, runner.stderr  # drained, not released
     assert "processing" not in status.values()
@@ -219,7 +221,7 @@ async def test_second_signal_releases_running_events(dsn: str, conn: asyncpg.Con
         runner.signal(signal.SIGINT)
         assert await runner.wait(timeout=20) == 0, runner.stderr
     assert "received again: cancelling running handlers" in runner.stderr
-    rows = await conn.fetch("SELECT status::text, attempts, last_error FROM outbox_events")
+    rows = await conn.fetch("SELECT status::text, attempts, last_error FROM outbox_events_all")
     assert [r[0] for r in rows] == ["retry"] * 3
     assert all(r[1] == 1 and "released" in r[2] for r in rows)
 
@@ -293,7 +295,7 @@ async def test_dead_list_retry_and_purge(dsn: str, conn: asyncpg.Connection) -> 
         "webhooks.deliver",
     }
     row = await conn.fetchrow(
-        "SELECT status::text, attempts FROM outbox_events WHERE id = $1", mails[0]
+        "SELECT status::text, attempts FROM outbox_events_all WHERE id = $1", mails[0]
     )
     assert tuple(row) == ("pending", 0)
 

@@ -84,7 +84,7 @@ async def enqueue_two(pool: asyncpg.Pool, topic: str) -> dict[str, dict[str, Any
         )
         await aiooutbox.enqueue(conn, topic, {"order": 2})
     rows = await pool.fetch(
-        "SELECT message_id::text, topic, payload, ordering_key, created_at FROM outbox_events"
+        "SELECT message_id::text, topic, payload, ordering_key, created_at FROM outbox_events_all"
         " WHERE topic = $1",
         topic,
     )

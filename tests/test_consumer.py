@@ -123,7 +123,7 @@ async def test_unknown_topics_stay_pending(pool: asyncpg.Pool) -> None:
         await wait_until(all_in(pool, "done", 1))
         await asyncio.sleep(0.5)  # several claim rounds; the other row must stay untouched
     row = await pool.fetchrow(
-        "SELECT status::text, attempts, locked_by FROM outbox_events WHERE id = $1", other
+        "SELECT status::text, attempts, locked_by FROM outbox_events_all WHERE id = $1", other
     )
     assert tuple(row) == ("pending", 0, None)
     assert other not in seen
@@ -171,7 +171,7 @@ async def test_failures_retry_with_backoff_then_die_with_last_error(pool: asyncp
     consumer = aiooutbox.OutboxConsumer(pool, retry=policy, poll_interval=0.1)
     async with running(consumer, {"flaky": handle}):
         await wait_until(all_in(pool, "dead", 1), timeout=20)
-    row = await pool.fetchrow("SELECT * FROM outbox_events WHERE id = $1", event_id)
+    row = await pool.fetchrow("SELECT * FROM outbox_events_all WHERE id = $1", event_id)
     assert row["attempts"] == 3
     assert "ValueError: broken on attempt 3" in row["last_error"]
     assert "Traceback" in row["last_error"]
@@ -210,7 +210,7 @@ async def test_retry_exception_delay_is_honoured(pool: asyncpg.Pool) -> None:
         await wait_until(all_in(pool, "retry", 1))
         row = await pool.fetchrow(
             "SELECT extract(epoch FROM available_at - updated_at) AS delay, last_error"
-            " FROM outbox_events WHERE id = $1",
+            " FROM outbox_events_all WHERE id = $1",
             event_id,
         )
         assert 29.9 <= row["delay"] <= 30.1
@@ -232,7 +232,7 @@ async def test_dead_goes_straight_to_dead(pool: asyncpg.Pool) -> None:
     async with running(aiooutbox.OutboxConsumer(pool), {"bad": handle}):
         await wait_until(all_in(pool, "dead", 1))
     row = await pool.fetchrow(
-        "SELECT attempts, last_error FROM outbox_events WHERE id=$1", event_id
+        "SELECT attempts, last_error FROM outbox_events_all WHERE id=$1", event_id
     )
     assert tuple(row) == (1, "Dead: malformed order")
 
@@ -246,7 +246,7 @@ async def test_handler_timeout_is_a_failure(pool: asyncpg.Pool) -> None:
     consumer = aiooutbox.OutboxConsumer(pool, handler_timeout=0.2)
     async with running(consumer, {"slow": handle}):
         await wait_until(all_in(pool, "dead", 1))
-    assert "TimeoutError" in await pool.fetchval("SELECT last_error FROM outbox_events")
+    assert "TimeoutError" in await pool.fetchval("SELECT last_error FROM outbox_events_all")
 
 
 async def test_abandoned_claim_is_recovered_after_lease_timeout(pool: asyncpg.Pool) -> None:
@@ -275,7 +275,7 @@ async def test_recovery_of_an_exhausted_row_makes_it_dead(pool: asyncpg.Pool) ->
     await asyncio.sleep(1.1)
     recovered = await pool.fetch(queries().recover_expired, 100)
     assert [(r[0], r[2]) for r in recovered] == [(event_id, "dead")]
-    error = await pool.fetchval("SELECT last_error FROM outbox_events")
+    error = await pool.fetchval("SELECT last_error FROM outbox_events_all")
     assert "lease expired" in error and "crashed-worker" in error
 
 
@@ -311,7 +311,7 @@ async def test_stale_settlement_is_fenced_out(pool: asyncpg.Pool) -> None:
     )
     # the same worker id on an older attempt is fenced too
     assert await pool.fetchval(q.settle_done, [event_id], "fresh", 1) == 0
-    row = await pool.fetchrow("SELECT status::text, locked_by, attempts FROM outbox_events")
+    row = await pool.fetchrow("SELECT status::text, locked_by, attempts FROM outbox_events_all")
     assert tuple(row) == ("processing", "fresh", 2)
     assert await pool.fetchval(q.settle_done, [event_id], "fresh", 2) == 1
 
@@ -494,7 +494,7 @@ async def test_stop_after_grace_releases_running_handlers(pool: asyncpg.Pool) ->
     await wait_until(all_in(pool, "processing", 3))
     consumer.stop()
     await asyncio.wait_for(task, 20)
-    rows = await pool.fetch("SELECT status::text, attempts, last_error FROM outbox_events")
+    rows = await pool.fetch("SELECT status::text, attempts, last_error FROM outbox_events_all")
     assert {r["status"] for r in rows} == {"retry"}
     assert all(r["attempts"] == 1 and r["last_error"].startswith("released") for r in rows)
     assert consumer.stats.released == 3
@@ -571,7 +571,7 @@ async def test_handler_raising_cancelled_error_is_a_failure(pool: asyncpg.Pool) 
     async with running(aiooutbox.OutboxConsumer(pool), {"odd": odd, "fine": fine}):
         await wait_until(lambda: _statuses(pool, {"dead": 1, "done": 1}))
     assert "CancelledError" in await pool.fetchval(
-        "SELECT last_error FROM outbox_events WHERE topic = 'odd'"
+        "SELECT last_error FROM outbox_events_all WHERE topic = 'odd'"
     )
 
 
@@ -592,7 +592,7 @@ async def test_handler_raising_base_exception_stops_and_surfaces(pool: asyncpg.P
     consumer = aiooutbox.OutboxConsumer(pool, retry=FAST_RETRY)
     with pytest.raises(Shutdown):
         await asyncio.wait_for(consumer.run({"fatal": handle}), 20)
-    row = await pool.fetchrow("SELECT status::text, last_error FROM outbox_events")
+    row = await pool.fetchrow("SELECT status::text, last_error FROM outbox_events_all")
     assert row["status"] == "retry"
     assert "Shutdown: bye" in row["last_error"]
 
@@ -660,7 +660,7 @@ async def test_done_rows_are_purged_after_retention(pool: asyncpg.Pool) -> None:
     consumer = aiooutbox.OutboxConsumer(pool, retention=timedelta(days=1))
     async with running(consumer, {"x": _noop}):
         await wait_until(lambda: _statuses(pool, {"done": 2}), timeout=20)
-    left = {r[0] for r in await pool.fetch("SELECT id FROM outbox_events")}
+    left = {r[0] for r in await pool.fetch("SELECT id FROM outbox_events_all")}
     assert left == set(ids[3:])
 
 
@@ -693,7 +693,9 @@ async def test_claim_plan_uses_the_partial_index(pool: asyncpg.Pool) -> None:
         # the generic plans that a consumer's connection switches to after five calls
         _assert_index_plans(await hot_path_plans(conn, queries(), ["x"]))
         # nothing was claimed: the statements ran in a transaction that was rolled back
-        held = await conn.fetchval("SELECT count(*) FROM outbox_events WHERE locked_by IS NOT NULL")
+        held = await conn.fetchval(
+            "SELECT count(*) FROM outbox_events_all WHERE locked_by IS NOT NULL"
+        )
         assert held == 0
         q = queries()
         plans = await nested_plans(

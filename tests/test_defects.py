@@ -66,7 +66,7 @@ async def test_hostile_error_text_settles_and_nothing_runs_twice(
         await wait_until(lambda: status_counts_are(pool, {"done": 20, "dead": 1}), timeout=20)
     assert all(runs[i] == 1 for i in good), runs  # lease never lost: nothing ran twice
     assert runs[bad] == 2
-    error = await pool.fetchval("SELECT last_error FROM outbox_events WHERE id = $1", bad)
+    error = await pool.fetchval("SELECT last_error FROM outbox_events_all WHERE id = $1", bad)
     assert "RuntimeError" in error and "\x00" not in error and len(error) <= 4000
 
 
@@ -97,7 +97,7 @@ async def test_a_refused_value_is_written_apart_with_a_placeholder(pool: asyncpg
         settler.record(Settlement(i, 1, Outcome.RETRY, 60.0, f"fine {i}"))
     settler.record(Settlement(ids[4], 1, Outcome.RETRY, 60.0, "raw NUL \x00 here"))
     await settler.close(timeout=5)
-    rows = {r["id"]: r for r in await pool.fetch("SELECT * FROM outbox_events")}
+    rows = {r["id"]: r for r in await pool.fetch("SELECT * FROM outbox_events_all")}
     assert all(rows[i]["status"] == "retry" for i in ids)
     assert [rows[i]["last_error"] for i in ids[:4]] == [f"fine {i}" for i in ids[:4]]
     assert "could not be stored" in rows[ids[4]]["last_error"]
@@ -341,7 +341,7 @@ async def test_claims_are_capped_by_bytes(pool: asyncpg.Pool) -> None:
         pool,
         [aiooutbox.NewEvent("t", {"blob": big, "n": str(uuid.uuid4()) * 1000}) for _ in range(12)],
     )
-    sizes = await pool.fetch("SELECT pg_column_size(payload) AS s FROM outbox_events")
+    sizes = await pool.fetch("SELECT pg_column_size(payload) AS s FROM outbox_events_all")
     one = max(r["s"] for r in sizes)
     seen: list[int] = []
 
@@ -388,7 +388,7 @@ async def test_two_quick_stops_during_a_claim_strand_nothing(pool: asyncpg.Pool)
     consumer.stop()
     await asyncio.wait_for(task, 30)
     left = await pool.fetchval(
-        "SELECT count(*) FROM outbox_events WHERE status = 'processing' AND locked_by = $1",
+        "SELECT count(*) FROM outbox_events_all WHERE status = 'processing' AND locked_by = $1",
         consumer.worker_id,
     )
     assert left == 0

@@ -177,7 +177,9 @@ async def test_worker_publishes_to_the_webhook(pool: asyncpg.Pool, webhook: Webh
 
 
 async def _status_is(pool: asyncpg.Pool, event_id: int | None, status: str) -> bool:
-    found = await pool.fetchval("SELECT status::text FROM outbox_events WHERE id = $1", event_id)
+    found = await pool.fetchval(
+        "SELECT status::text FROM outbox_events_all WHERE id = $1", event_id
+    )
     return bool(found == status)
 
 
@@ -225,7 +227,7 @@ async def test_worker_retries_when_the_webhook_fails(pool: asyncpg.Pool, webhook
         event_id = await aiooutbox.enqueue(pool, "orders.created", {"order_id": 1})
         await eventually(lambda: _status_is(pool, event_id, "retry"), "the event to be retried")
     row = await pool.fetchrow(
-        "SELECT last_error, available_at, attempts FROM outbox_events WHERE id = $1", event_id
+        "SELECT last_error, available_at, attempts FROM outbox_events_all WHERE id = $1", event_id
     )
     assert row["last_error"] == "Retry: webhook answered HTTP 503"
     assert row["available_at"] > datetime.now(UTC) + timedelta(minutes=59)

@@ -54,7 +54,9 @@ async def test_sqlalchemy_example(example_env: str) -> None:
     await assert_all_settled(example_env, len(ORDERS))
     conn = await asyncpg.connect(example_env)
     try:
-        keys = [r[0] for r in await conn.fetch("SELECT dedupe_key FROM outbox_events ORDER BY id")]
+        keys = [
+            r[0] for r in await conn.fetch("SELECT dedupe_key FROM outbox_events_all ORDER BY id")
+        ]
     finally:
         await conn.close()
     assert keys == [f"order-{i}-created" for i in ids]
@@ -77,11 +79,11 @@ async def test_psycopg_script(example_env: str) -> None:
     conn = await asyncpg.connect(example_env)
     try:
         rows = await conn.fetch(
-            "SELECT e.payload->>'order_id', o.item FROM outbox_events e"
+            "SELECT e.payload->>'order_id', o.item FROM outbox_events_all e"
             " JOIN orders o ON o.id = (e.payload->>'order_id')::bigint ORDER BY e.id"
         )
         assert [tuple(r) for r in rows] == [("1", "teapot"), ("2", "compiler"), ("3", "lock")]
-        assert await conn.fetchval("SELECT count(*) FROM outbox_events") == 3
+        assert await conn.fetchval("SELECT count(*) FROM outbox_events_all") == 3
     finally:
         await conn.close()
 
@@ -171,7 +173,7 @@ async def test_producers_doc_snippet_runs(index: int, dsn: str, tmp_path: Path) 
     assert out, "each snippet prints what it did"
     conn = await asyncpg.connect(dsn)
     try:
-        rows = await conn.fetch("SELECT topic, payload::text FROM outbox_events ORDER BY id")
+        rows = await conn.fetch("SELECT topic, payload::text FROM outbox_events_all ORDER BY id")
     finally:
         await conn.close()
     if index == 0:

@@ -195,7 +195,7 @@ async def test_sigkill_mid_batch_leases_come_back(dsn: str, db: asyncpg.Connecti
 
         async def recovered() -> bool:
             n = await db.fetchval(
-                "SELECT count(*) FROM outbox_events WHERE status = 'processing'"
+                "SELECT count(*) FROM outbox_events_all WHERE status = 'processing'"
                 " AND locked_by = 'victim'"
             )
             return bool(n == 0)
@@ -376,7 +376,7 @@ async def test_postgres_restart_and_outage(private_pg: PrivatePostgres, private_
             reconnects = consumer._listener.reconnects if consumer._listener else -1
         await recorder.save(conn)
         outcome = await check_outcome(conn)
-        ids = {r[0] for r in await conn.fetch("SELECT id FROM outbox_events")}
+        ids = {r[0] for r in await conn.fetch("SELECT id FROM outbox_events_all")}
         await conn.close()
     report(
         "pg restart",
@@ -555,7 +555,7 @@ async def test_backends_terminated_repeatedly(dsn: str, db: asyncpg.Connection) 
             fenced = sum(c._settler.fenced for c in consumers if c._settler)
     await recorder.save(db)
     outcome = await check_outcome(db)
-    ids = {r[0] for r in await db.fetch("SELECT id FROM outbox_events")}
+    ids = {r[0] for r in await db.fetch("SELECT id FROM outbox_events_all")}
     report(
         "terminate backends",
         kills=kills,
@@ -761,7 +761,7 @@ async def test_idle_in_transaction_producer_and_long_reader(
         held_id = await aiooutbox.enqueue(idle_producer, "t", {"held": True})
         read_tx = reader.transaction(isolation="repeatable_read")
         await read_tx.start()
-        await reader.fetchval("SELECT count(*) FROM outbox_events")  # takes the snapshot
+        await reader.fetchval("SELECT count(*) FROM outbox_events_all")  # takes the snapshot
         async with asyncpg.create_pool(dsn, min_size=1, max_size=4) as pool:
             consumer = aiooutbox.OutboxConsumer(
                 pool, concurrency=32, poll_interval=0.5, statement_timeout=2
@@ -775,7 +775,7 @@ async def test_idle_in_transaction_producer_and_long_reader(
 
                 async def drained() -> bool:
                     n = await db.fetchval(
-                        "SELECT count(*) FROM outbox_events WHERE status <> 'done'"
+                        "SELECT count(*) FROM outbox_events_all WHERE status <> 'done'"
                     )
                     return bool(n == 0)
 
@@ -811,7 +811,7 @@ FAST = aiooutbox.RetryPolicy(base=0.02, max_delay=0.1)
 
 async def _topic_outcomes(db: asyncpg.Connection) -> dict[str, list[tuple[str, int]]]:
     rows = await db.fetch(
-        "SELECT topic, status::text, attempts FROM outbox_events ORDER BY topic, id"
+        "SELECT topic, status::text, attempts FROM outbox_events_all ORDER BY topic, id"
     )
     result: dict[str, list[tuple[str, int]]] = {}
     for r in rows:
@@ -868,7 +868,7 @@ async def test_handler_faults_side_by_side(dsn: str, db: asyncpg.Connection) -> 
     errors = {
         r[0]: r[1]
         for r in await db.fetch(
-            "SELECT DISTINCT ON (topic) topic, last_error FROM outbox_events"
+            "SELECT DISTINCT ON (topic) topic, last_error FROM outbox_events_all"
             " WHERE status = 'dead' ORDER BY topic"
         )
     }
@@ -920,7 +920,7 @@ async def test_handlers_hanging_past_shutdown_grace(dsn: str, db: asyncpg.Connec
     assert outcomes["quick"] == [("done", 1)] * 3  # finished within the grace
     assert outcomes["hang"] == [("retry", 1)] * 3  # released: available again at once
     late = await db.fetchval(
-        "SELECT count(*) FROM outbox_events WHERE topic = 'hang'"
+        "SELECT count(*) FROM outbox_events_all WHERE topic = 'hang'"
         " AND (available_at > now() OR last_error NOT LIKE 'released%')"
     )
     assert late == 0
@@ -986,7 +986,7 @@ async def test_base_exception_in_handler_settles_then_stops(
     outcomes = await _topic_outcomes(db)
     assert outcomes["slow"] == [("done", 1)] * 3
     assert outcomes["fatal"] == [("retry", 1)]
-    error = await db.fetchval("SELECT last_error FROM outbox_events WHERE topic = 'fatal'")
+    error = await db.fetchval("SELECT last_error FROM outbox_events_all WHERE topic = 'fatal'")
     assert expected.__name__ in error
 
 
@@ -1014,11 +1014,11 @@ async def test_poison_that_always_fails_dies_without_blocking(
         async with running(consumer, {"t": handler}):
             await wait_until(lambda: all_finished(db, 301), 30, "everything to finish")
     poison = await db.fetchrow(
-        "SELECT status::text, attempts, last_error, finished_at FROM outbox_events"
+        "SELECT status::text, attempts, last_error, finished_at FROM outbox_events_all"
         " WHERE payload ? 'poison'"
     )
     last_good = await db.fetchval(
-        "SELECT max(finished_at) FROM outbox_events WHERE NOT payload ? 'poison'"
+        "SELECT max(finished_at) FROM outbox_events_all WHERE NOT payload ? 'poison'"
     )
     await recorder.save(db)
     outcome = await check_outcome(db)
@@ -1068,7 +1068,7 @@ async def test_poison_that_crashes_its_process_reaches_dead(
         proc.close()
     elapsed = time.monotonic() - started
     poison = await db.fetchrow(
-        "SELECT status::text, attempts, last_error FROM outbox_events WHERE topic = 'crash'"
+        "SELECT status::text, attempts, last_error FROM outbox_events_all WHERE topic = 'crash'"
     )
     outcome = await check_outcome(db)
     report("poison (crashing)", crashes=crashes, elapsed_s=elapsed, **outcome)
@@ -1098,7 +1098,7 @@ async def test_burst_of_100k_events_while_consumers_run(dsn: str, db: asyncpg.Co
         enqueued = time.monotonic() - started
 
         async def drained() -> bool:
-            n = await db.fetchval("SELECT count(*) FROM outbox_events WHERE status <> 'done'")
+            n = await db.fetchval("SELECT count(*) FROM outbox_events_all WHERE status <> 'done'")
             return bool(n == 0)
 
         await wait_until(drained, 120, "100k events to drain", interval=0.25)
@@ -1177,10 +1177,10 @@ BAD_OPTIONS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
 
 async def _snapshot(conn: asyncpg.Connection) -> tuple[Any, ...]:
     return (
-        await conn.fetchval("SELECT count(*) FROM outbox_events"),
-        await conn.fetchval("SELECT count(*) FROM outbox_events WHERE status <> 'pending'"),
+        await conn.fetchval("SELECT count(*) FROM outbox_events_all"),
+        await conn.fetchval("SELECT count(*) FROM outbox_events_all WHERE status <> 'pending'"),
         await conn.fetchval("SELECT count(*) FROM outbox_events_idle"),
-        await conn.fetchval("SELECT max(updated_at) FROM outbox_events"),
+        await conn.fetchval("SELECT max(updated_at) FROM outbox_events_all"),
     )
 
 

@@ -47,12 +47,12 @@ async def test_durations_negative_bare_and_help_agree(dsn: str, conn: asyncpg.Co
         _short_error(result, 2, "must not be negative")
     unit = await cli("enqueue", "t", "{}", "--delay", "5 parsecs", "--dsn", dsn)
     _short_error(unit, 2, "use seconds (90) or a number with a unit")
-    assert await conn.fetchval("SELECT count(*) FROM outbox_events") == 0
+    assert await conn.fetchval("SELECT count(*) FROM outbox_events_all") == 0
 
     bare = await cli("enqueue", "t", "{}", "--delay", "90", "--dsn", dsn)
     assert bare.rc == 0, bare.err
     delay = await conn.fetchval(
-        "SELECT extract(epoch FROM available_at - created_at) FROM outbox_events"
+        "SELECT extract(epoch FROM available_at - created_at) FROM outbox_events_all"
     )
     assert 89 <= float(delay) <= 91  # a bare number is seconds, as the docs say
     docs = (ROOT / "docs" / "cli.md").read_text()
@@ -102,12 +102,12 @@ async def test_enqueue_takes_an_ordering_key_checked_as_the_api_checks_it(
         ok = await cli("enqueue", "orders.paid", f'{{"n": {n}}}', "--ordering-key", "o-42",
                        "--dsn", dsn)  # fmt: skip
         assert ok.rc == 0, ok.err
-    rows = await conn.fetch("SELECT ordering_key, payload->>'n' AS n FROM outbox_events")
+    rows = await conn.fetch("SELECT ordering_key, payload->>'n' AS n FROM outbox_events_all")
     assert [tuple(r) for r in rows] == [("o-42", "1"), ("o-42", "2")]
     for key, why in [("", "not be empty"), ("k" * 513, "be at most 512 bytes")]:
         bad = await cli("enqueue", "t", "{}", "--ordering-key", key, "--dsn", dsn)
         _short_error(bad, 2, f"ordering_key must {why}")
-    assert await conn.fetchval("SELECT count(*) FROM outbox_events") == 2
+    assert await conn.fetchval("SELECT count(*) FROM outbox_events_all") == 2
     helped = await cli("enqueue", "--help")
     assert "--ordering-key KEY" in helped.out and "one at a time, in order" in helped.out
     # the README's signature of enqueue names every argument it takes
@@ -131,7 +131,7 @@ async def test_a_payload_json_cannot_encode_names_encoder(conn: asyncpg.Connecti
     (shown,) = re.findall(r"e\.g\. encoder=(lambda v: .*)$", str(info.value))
     encoder = eval(shown, {"json": json})
     assert await aiooutbox.enqueue(conn, "t", payload, encoder=encoder) == 1
-    stored = await conn.fetchval("SELECT payload->>'at' FROM outbox_events")
+    stored = await conn.fetchval("SELECT payload->>'at' FROM outbox_events_all")
     assert stored == "2024-05-01 12:30:00+00:00"
     with pytest.raises(TypeError) as own:
         await aiooutbox.enqueue(conn, "t", {"s": {1}}, encoder=json.dumps)
@@ -251,7 +251,9 @@ async def test_run_flags_handler_timeout_retry_policy_and_retention(
         assert "retry 1h x2 up to 2h, jitter 0" in line[1], line[0]
 
         async def settled() -> bool:
-            rows = await conn.fetch("SELECT status::text, count(*) FROM outbox_events GROUP BY 1")
+            rows = await conn.fetch(
+                "SELECT status::text, count(*) FROM outbox_events_all GROUP BY 1"
+            )
             return {s: n for s, n in rows if s in ("done", "processing", "pending")} == {}
 
         # the old done rows go (retention), sleepy dies of its timeout, failing waits 1h
@@ -262,7 +264,7 @@ async def test_run_flags_handler_timeout_retry_policy_and_retention(
         r["topic"]: r
         for r in await conn.fetch(
             "SELECT topic, status::text, last_error, attempts,"
-            " extract(epoch FROM available_at - now())::float8 AS wait FROM outbox_events"
+            " extract(epoch FROM available_at - now())::float8 AS wait FROM outbox_events_all"
         )
     }
     assert set(rows) == {"sleepy", "failing"}, rows
@@ -283,13 +285,13 @@ async def test_run_flags_handler_timeout_retry_policy_and_retention(
         await r.wait_for_line(r"consuming .*done events kept forever")
         await conn.execute("INSERT INTO outbox_events (topic, payload) VALUES ('quick', '{}')")
         await wait_until(
-            lambda: conn.fetchval("SELECT count(*) = 2 FROM outbox_events WHERE topic = 'quick'"
+            lambda: conn.fetchval("SELECT count(*) = 2 FROM outbox_events_all WHERE topic = 'quick'"
                                   " AND status = 'done'"),
             timeout=30,
         )  # fmt: skip
         r.signal(signal.SIGTERM)
         assert await r.wait() == 0, r.stderr
-    assert await conn.fetchval("SELECT count(*) FROM outbox_events WHERE id = $1", kept) == 1
+    assert await conn.fetchval("SELECT count(*) FROM outbox_events_all WHERE id = $1", kept) == 1
 
     bad = await cli("run", HANDLERS, "--retry-jitter", "2", "--dsn", dsn)
     _short_error(bad, 2, "expected a number from 0 to 1")
@@ -330,7 +332,7 @@ async def test_unconsumed_topics_are_warned_about_in_run_and_stats(
         )
         assert re.search(r"reports\.daily \(11 waiting, oldest 11m\d\ds\)", warning.string)
         assert "quick" not in warning.string and "later" not in warning.string
-        quick = "SELECT status = 'done' FROM outbox_events WHERE topic = 'quick'"
+        quick = "SELECT status = 'done' FROM outbox_events_all WHERE topic = 'quick'"
         await wait_until(lambda: conn.fetchval(quick), timeout=30)
         # a runner for 'quick' only warns too: the other runner does not handle the topic
         async with Runner("tests.cli_handlers:handlers", "--topics", "quick", "--dsn", dsn) as r2:

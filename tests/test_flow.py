@@ -43,7 +43,7 @@ async def enqueue(conn: asyncpg.Connection, topic: str, n: int, **kw: Any) -> No
 
 async def statuses(conn: asyncpg.Connection, topic: str) -> dict[str, int]:
     rows = await conn.fetch(
-        "SELECT status::text, count(*) FROM outbox_events WHERE topic = $1 GROUP BY 1", topic
+        "SELECT status::text, count(*) FROM outbox_events_all WHERE topic = $1 GROUP BY 1", topic
     )
     return {r[0]: r[1] for r in rows}
 
@@ -296,7 +296,7 @@ async def test_rate_limit_bounds_claims_in_every_second(
     claims = [
         r[0]
         for r in await conn.fetch(
-            "SELECT extract(epoch FROM locked_at)::float8 FROM outbox_events"
+            "SELECT extract(epoch FROM locked_at)::float8 FROM outbox_events_all"
             " WHERE topic = 'r' AND locked_at IS NOT NULL ORDER BY locked_at"
         )
     ]

@@ -31,7 +31,7 @@ TOPICS = [f"lim{i:02d}" for i in range(60)]
 # the rows a consumer holds that no handler has finished with: claimed and waiting for
 # a worker, or running (a finished one only waits for its outcome's write)
 HELD_UNFINISHED = (
-    "SELECT coalesce(array_agg(id), '{}') FROM outbox_events"
+    "SELECT coalesce(array_agg(id), '{}') FROM outbox_events_all"
     " WHERE status = 'processing' AND locked_by = $1"
 )
 
@@ -172,7 +172,7 @@ async def test_max_claim_bytes_bounds_the_whole_claim_across_limited_and_open_to
         await aiooutbox.enqueue_many(
             conn, [aiooutbox.NewEvent(topic, {"b": blob(100_000)}) for _ in range(8)]
         )
-    size = await conn.fetchval("SELECT max(pg_column_size(payload)) FROM outbox_events")
+    size = await conn.fetchval("SELECT max(pg_column_size(payload)) FROM outbox_events_all")
     assert 100_000 <= size < 101_000
     cap = int((cap_rows + 0.5) * size) if cap_rows else size // 2
     claims = Claims()
@@ -189,7 +189,7 @@ async def test_max_claim_bytes_bounds_the_whole_claim_across_limited_and_open_to
         await wait_until(lambda: _processing(conn, 24), timeout=30)
         by_topic = dict(
             await conn.fetch(
-                "SELECT topic, count(*) FROM outbox_events WHERE status = 'processing'"
+                "SELECT topic, count(*) FROM outbox_events_all WHERE status = 'processing'"
                 " GROUP BY topic"
             )
         )
@@ -202,7 +202,9 @@ async def test_max_claim_bytes_bounds_the_whole_claim_across_limited_and_open_to
 
 
 async def _processing(conn: asyncpg.Connection, n: int) -> bool:
-    count = await conn.fetchval("SELECT count(*) FROM outbox_events WHERE status = 'processing'")
+    count = await conn.fetchval(
+        "SELECT count(*) FROM outbox_events_all WHERE status = 'processing'"
+    )
     return bool(count >= n)
 
 
@@ -320,7 +322,7 @@ async def test_a_busy_consumer_of_every_topic_finds_new_and_resumed_topics(
         resumed = time.monotonic()
         await wait_until(lambda: _at_least(list(first), 3), timeout=10)
         pending = await conn.fetchval(
-            "SELECT count(*) FROM outbox_events WHERE topic = 'busy' AND status = 'pending'"
+            "SELECT count(*) FROM outbox_events_all WHERE topic = 'busy' AND status = 'pending'"
         )
     new, back = first["newcomer"] - sent, first[HELD[3]] - resumed
     print(f"a new topic claimed after {new:.3f}s, a resumed one after {back:.3f}s")

@@ -163,7 +163,7 @@ async def test_max_running_holds_when_a_process_is_sigkilled_and_slots_come_back
             victims[:] = [
                 r["locked_by"]
                 for r in await conn.fetch(
-                    "SELECT locked_by FROM outbox_events WHERE topic = 'lim'"
+                    "SELECT locked_by FROM outbox_events_all WHERE topic = 'lim'"
                     " AND status = 'processing' GROUP BY locked_by ORDER BY count(*) DESC"
                 )
             ]
@@ -175,7 +175,7 @@ async def test_max_running_holds_when_a_process_is_sigkilled_and_slots_come_back
         by_name.pop(victim).kill()
         killed = await clock(conn)
         held = await conn.fetchval(
-            "SELECT count(*) FROM outbox_events WHERE topic = 'lim' AND status = 'processing'"
+            "SELECT count(*) FROM outbox_events_all WHERE topic = 'lim' AND status = 'processing'"
             " AND locked_by = $1",
             victim,
         )
@@ -236,7 +236,7 @@ async def test_rate_limit_across_three_processes_over_thirty_seconds(
     per_second = [
         r[0]
         for r in await conn.fetch(
-            "SELECT count(*) FROM outbox_events WHERE topic = 'rated' AND locked_at >= $1"
+            "SELECT count(*) FROM outbox_events_all WHERE topic = 'rated' AND locked_at >= $1"
             " AND locked_at < $1 + make_interval(secs => $2)"
             " GROUP BY floor(extract(epoch FROM locked_at - $1)) ORDER BY 1 DESC",
             start,
@@ -247,7 +247,7 @@ async def test_rate_limit_across_three_processes_over_thirty_seconds(
     worst = await conn.fetchval(
         "SELECT max(n) FROM (SELECT count(*) OVER (ORDER BY locked_at"
         "  RANGE BETWEEN CURRENT ROW AND '999999 microseconds' FOLLOWING) AS n"
-        " FROM outbox_events WHERE topic = 'rated' AND locked_at IS NOT NULL) AS w"
+        " FROM outbox_events_all WHERE topic = 'rated' AND locked_at IS NOT NULL) AS w"
     )
     workers = await conn.fetchval(
         "SELECT count(DISTINCT worker_id) FROM runs WHERE topic = 'rated'"
@@ -291,7 +291,7 @@ async def test_a_relay_of_every_topic_honours_a_pause_and_a_limit(
 
                 async def others_done() -> bool:
                     n = await conn.fetchval(
-                        "SELECT count(*) FROM outbox_events WHERE status = 'done'"
+                        "SELECT count(*) FROM outbox_events_all WHERE status = 'done'"
                         " AND topic = ANY ($1::text[])",
                         [narrow, free],
                     )
@@ -307,7 +307,7 @@ async def test_a_relay_of_every_topic_honours_a_pause_and_a_limit(
 
                 async def all_done() -> bool:
                     n = await conn.fetchval(
-                        "SELECT count(*) FROM outbox_events WHERE status = 'done'"
+                        "SELECT count(*) FROM outbox_events_all WHERE status = 'done'"
                     )
                     return bool(n == 300)
 
@@ -329,7 +329,7 @@ SELECT e.locked_by, count(*) FILTER (WHERE NOT EXISTS (
            SELECT 1 FROM runs r WHERE r.event_id = e.id AND r.worker_id = e.locked_by
              AND r.ended IS NOT NULL)) AS unfinished,
        count(*) AS claimed
-FROM outbox_events e WHERE e.status = 'processing' GROUP BY e.locked_by
+FROM outbox_events_all e WHERE e.status = 'processing' GROUP BY e.locked_by
 """
 
 SIXTY = [f"lim{i:02d}" for i in range(60)]
@@ -400,7 +400,7 @@ async def test_sixty_limited_topics_a_sigkill_strands_no_more_than_the_slots(
 
         async def recovered() -> bool:
             n = await conn.fetchval(
-                "SELECT count(*) FROM outbox_events WHERE status = 'processing'"
+                "SELECT count(*) FROM outbox_events_all WHERE status = 'processing'"
                 " AND locked_by = 'p0'"
             )
             return bool(n == 0)

@@ -188,7 +188,7 @@ async def test_group_max_running_across_three_processes_with_a_sigkill(
             victims[:] = [
                 r[0]
                 for r in await conn.fetch(
-                    "SELECT locked_by FROM outbox_events WHERE topic = 'lim'"
+                    "SELECT locked_by FROM outbox_events_all WHERE topic = 'lim'"
                     " AND status = 'processing' GROUP BY locked_by ORDER BY count(*) DESC"
                 )
             ]
@@ -272,7 +272,7 @@ async def test_a_group_rate_across_three_processes_over_thirty_seconds(
             await p.stop()
     claimed = dict(
         await conn.fetch(
-            "SELECT grp, count(*) FROM outbox_events WHERE topic = 'rated' AND locked_at >= $1"
+            "SELECT grp, count(*) FROM outbox_events_all WHERE topic = 'rated' AND locked_at >= $1"
             " AND locked_at < $1 + make_interval(secs => $2) GROUP BY grp",
             start,
             seconds,

@@ -61,7 +61,7 @@ async def test_the_group_is_stored_and_handed_to_the_handler(pool: asyncpg.Pool)
         pool, [NewEvent("t", {"n": i}, group=g) for i, g in enumerate(CONFUSABLE, 1)]
     )
     plain = await aiooutbox.enqueue(pool, "t", {"n": 99})
-    stored = dict(await pool.fetch("SELECT id, grp FROM outbox_events"))
+    stored = dict(await pool.fetch("SELECT id, grp FROM outbox_events_all"))
     assert stored[one] == "tenant-42" and stored[plain] is None
     assert [stored[i] for i in many] == CONFUSABLE
     assert len(set(stored.values())) == len(CONFUSABLE) + 2
@@ -265,6 +265,6 @@ async def test_an_idle_consumer_wakes_for_a_grouped_event_when_it_comes_due(
 async def test_the_cli_enqueues_a_grouped_event(dsn: str, conn: asyncpg.Connection) -> None:
     result = await cli("enqueue", "t", "{}", "--group", "tenant-\u0430", "--dsn", dsn)
     assert result.rc == 0, result.err
-    assert await conn.fetchval("SELECT grp FROM outbox_events") == "tenant-\u0430"
+    assert await conn.fetchval("SELECT grp FROM outbox_events_all") == "tenant-\u0430"
     bad = await cli("enqueue", "t", "{}", "--group", "", "--dsn", dsn)
     assert bad.rc == 2 and "group must not be empty" in bad.err, bad.err

@@ -34,7 +34,7 @@ SWEEP = 0.3  # the consumers' orphan sweep in the tests that rely on it
 
 async def _statuses(pool: asyncpg.Pool, ids: list[int]) -> list[str]:
     rows = await pool.fetch(
-        "SELECT id, status::text FROM outbox_events WHERE id = ANY ($1::bigint[])", ids
+        "SELECT id, status::text FROM outbox_events_all WHERE id = ANY ($1::bigint[])", ids
     )
     got = {r["id"]: r["status"] for r in rows}
     return [got.get(i, "deleted") for i in ids]
@@ -226,7 +226,7 @@ async def test_lease_recovery_split_across_batches_keeps_one_head_in_order(
     leases expired as well (a key whose rows are still running is left whole: the next
     claim would otherwise have taken its head while the rest of its run was held)."""
     for max_attempts, head_after in ((5, "retry"), (1, "dead")):
-        await pool.execute("TRUNCATE outbox_events")
+        await pool.execute("TRUNCATE outbox_events, outbox_events_done")
         ids = await _ordered(pool, 4, key=f"k{max_attempts}", max_attempts=max_attempts)
         claimed = await pool.fetch(Q.claim, "ghost", 30.0, ["t"], 10, 1 << 40, 10, 10)
         assert sorted(r["id"] for r in claimed) == ids
@@ -244,7 +244,7 @@ async def test_lease_recovery_split_across_batches_keeps_one_head_in_order(
             expected = ["dead", "pending", "waiting", "waiting"]
         assert await _statuses(pool, ids) == expected, max_attempts
         attempts = await pool.fetch(
-            "SELECT attempts FROM outbox_events WHERE id = ANY ($1::bigint[]) ORDER BY id", ids
+            "SELECT attempts FROM outbox_events_all WHERE id = ANY ($1::bigint[]) ORDER BY id", ids
         )
         assert [r[0] for r in attempts] == [1, 0, 0, 0]  # given back behind the head
 
@@ -420,7 +420,7 @@ async def test_the_orphan_sweep_reads_each_key_once_not_each_waiting_event(
     )
     await pool.execute(
         "UPDATE outbox_events SET status = 'dead', blocks_key = true"
-        " WHERE id = (SELECT min(id) FROM outbox_events)"
+        " WHERE id = (SELECT min(id) FROM outbox_events_all)"
     )
     for k in range(100):
         await insert_unchecked(

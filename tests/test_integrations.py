@@ -51,7 +51,7 @@ async def eventually(
 
 
 async def statuses(db: asyncpg.Pool | asyncpg.Connection) -> dict[str, int]:
-    rows = await db.fetch("SELECT status::text, count(*) FROM outbox_events GROUP BY 1")
+    rows = await db.fetch("SELECT status::text, count(*) FROM outbox_events_all GROUP BY 1")
     return {r[0]: r[1] for r in rows}
 
 
@@ -137,7 +137,7 @@ async def test_exit_releases_a_handler_past_the_grace(pool: asyncpg.Pool) -> Non
         await aiooutbox.enqueue(pool, "t", {})
         await asyncio.wait_for(started.wait(), TIMEOUT)
     row = await pool.fetchrow(
-        "SELECT status::text, last_error, lease_expires_at FROM outbox_events"
+        "SELECT status::text, last_error, lease_expires_at FROM outbox_events_all"
     )
     assert row["status"] == "retry"  # released: due again at once, the attempt counted
     assert "released" in row["last_error"]

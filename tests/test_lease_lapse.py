@@ -114,7 +114,7 @@ async def test_a_consumer_whose_loop_was_blocked_past_its_lease_starts_nothing_m
             # it claimed the head with the run behind it; the other consumer starts now
             # and can only get the key by recovering the lapsed lease
             held = await runs.fetchval(
-                "SELECT count(*) FROM outbox_events WHERE status = 'processing'"
+                "SELECT count(*) FROM outbox_events_all WHERE status = 'processing'"
                 " AND locked_by = 'blocked'"
             )
             assert held == total, held
@@ -205,7 +205,7 @@ async def test_a_lone_consumer_resumes_a_key_in_order_after_its_loop_was_blocked
     after = [seq for seq, _ in starts[:1] + starts[2:]]
     assert after == sorted(after), starts
     assert set(after) | {1} == set(range(total)), starts
-    assert await runs.fetchval("SELECT count(*) FROM outbox_events WHERE status <> 'done'") == 0
+    assert await runs.fetchval("SELECT count(*) FROM outbox_events_all WHERE status <> 'done'") == 0
 
 
 async def test_a_batch_whose_every_lease_lapsed_before_it_started_is_left_to_recovery(

@@ -64,7 +64,7 @@ async def test_marks_pass_what_was_claimed(conn: asyncpg.Connection) -> None:
     marks = Marks()
     assert marks.mark("m") is None  # a first claim starts at the start
     assert sorted(await _claim(conn, ["m"], marks)) == ids
-    last = await conn.fetchval("SELECT max(available_at) FROM outbox_events")
+    last = await conn.fetchval("SELECT max(available_at) FROM outbox_events_all")
     assert _position(marks.mark("m")) >= (last, 0)
     # nothing left: the next claim is empty and its mark does not go back
     before = marks.mark("m")
@@ -87,7 +87,7 @@ async def test_mark_stays_before_a_row_another_claim_holds(dsn: str) -> None:
         marks = Marks()
         assert await _claim(conn, ["h"], marks) == [second]  # the first one is skipped
         mark = _position(marks.mark("h"))
-        at = await conn.fetchval("SELECT available_at FROM outbox_events WHERE id = $1", first)
+        at = await conn.fetchval("SELECT available_at FROM outbox_events_all WHERE id = $1", first)
         assert mark < (at, first), "the locked row still counts as live"
         await tx.rollback()  # that claim never happened: the row is claimed next
         assert await _claim(conn, ["h"], marks) == [first]
@@ -107,7 +107,9 @@ async def test_an_open_producer_holds_the_mark_within_the_grace(dsn: str) -> Non
         marks = Marks()
         assert sorted(await _claim(conn, ["g"], marks, grace=60.0)) == early
         # the open transaction's key holds the mark before its row's position
-        at = await producer.fetchval("SELECT available_at FROM outbox_events WHERE id = $1", late)
+        at = await producer.fetchval(
+            "SELECT available_at FROM outbox_events_all WHERE id = $1", late
+        )
         assert _position(marks.mark("g")) < (at, late)
         assert marks.awaited == []
         await tx.commit()
@@ -124,7 +126,9 @@ async def test_a_forgotten_producer_is_awaited_then_claimed_once_it_commits(dsn:
         tx = producer.transaction()
         await tx.start()
         late = await aiooutbox.enqueue(producer, "f", {"late": True})
-        at = await producer.fetchval("SELECT available_at FROM outbox_events WHERE id = $1", late)
+        at = await producer.fetchval(
+            "SELECT available_at FROM outbox_events_all WHERE id = $1", late
+        )
         marks = Marks()
         await asyncio.sleep(0.05)
         # past the grace (0 here): the key is awaited, and no longer holds the mark back
@@ -159,7 +163,7 @@ async def test_rows_made_claimable_get_a_position_after_their_writer(
         old,
     )
     assert await conn.fetchval(
-        "SELECT available_at > $1 FROM outbox_events WHERE id = $2", old, raw
+        "SELECT available_at > $1 FROM outbox_events_all WHERE id = $2", old, raw
     )
     assert await _claim(conn, ["p"], marks) == [raw]
     # the head is done: its key's next event is promoted, after the mark
@@ -336,7 +340,7 @@ async def test_many_producers_and_consumers_lose_nothing(pool: asyncpg.Pool, dsn
         await asyncio.gather(*(producer(40) for _ in range(8)))
         await wait_until(all_in(pool, "done", len(committed)), timeout=60)
     assert sorted(seen) == sorted(committed)
-    rows = await pool.fetch("SELECT status::text, count(*) FROM outbox_events GROUP BY 1")
+    rows = await pool.fetch("SELECT status::text, count(*) FROM outbox_events_all GROUP BY 1")
     assert {r[0]: r[1] for r in rows} == {"done": len(committed)}
 
 
@@ -413,7 +417,7 @@ async def test_the_claim_from_marks_takes_groups_in_turn(conn: asyncpg.Connectio
     marks.update(["f"], records[-1]["payload"])
     assert sorted(r["group"] for r in records[:-1]) == ["big", "small"]
     small_left = await conn.fetchrow(
-        "SELECT available_at, id FROM outbox_events WHERE grp = 'small' AND status = 'pending'"
+        "SELECT available_at, id FROM outbox_events_all WHERE grp = 'small' AND status = 'pending'"
     )
     # the mark is before the small group's second row, though the big group's are older
     mark = marks.mark("f")
@@ -448,12 +452,12 @@ async def test_a_mark_swept_over_many_groups_passes_no_claimable_row(
         claimed += taken
         if taken:
             cursor = await conn.fetchval(
-                "SELECT coalesce(max(grp), '') FROM outbox_events WHERE id = ANY ($1)", taken
+                "SELECT coalesce(max(grp), '') FROM outbox_events_all WHERE id = ANY ($1)", taken
             )
         if before is not None and marks.sweeps(["s"])[0][0] is None:
             sweeps_ended += 1
         first = await conn.fetchrow(
-            "SELECT available_at, id FROM outbox_events WHERE topic = 's'"
+            "SELECT available_at, id FROM outbox_events_all WHERE topic = 's'"
             " AND status IN ('pending', 'retry') ORDER BY available_at, id LIMIT 1"
         )
         mark = marks.mark("s")
@@ -461,11 +465,11 @@ async def test_a_mark_swept_over_many_groups_passes_no_claimable_row(
             assert _position(mark) < (first["available_at"], first["id"]), (mark, dict(first))
         if len(claimed) < 260 and rng.random() < 0.3:
             await add(rng.randint(1, 5))
-        total = await conn.fetchval("SELECT count(*) FROM outbox_events WHERE topic = 's'")
+        total = await conn.fetchval("SELECT count(*) FROM outbox_events_all WHERE topic = 's'")
         if len(claimed) == total and total >= 260:
             break
     assert sorted(claimed) == sorted(
-        await conn.fetchval("SELECT array_agg(id) FROM outbox_events WHERE topic = 's'")
+        await conn.fetchval("SELECT array_agg(id) FROM outbox_events_all WHERE topic = 's'")
     )
     assert len(set(claimed)) == len(claimed)
     assert sweeps_ended >= 3, "the sweeps ended and moved the mark"

@@ -213,7 +213,7 @@ async def test_group_gauges_show_only_the_top_groups(pool: asyncpg.Pool) -> None
     await pool.execute(
         "UPDATE outbox_events SET status = 'processing', locked_by = 'w',"
         " lease_expires_at = now() + interval '1 minute'"
-        " WHERE id IN (SELECT id FROM outbox_events WHERE grp = 'big' LIMIT 2)"
+        " WHERE id IN (SELECT id FROM outbox_events_all WHERE grp = 'big' LIMIT 2)"
     )
     async with metrics.queue_gauges(pool, interval=0.05):
         text = _exposition(registry)
@@ -305,7 +305,7 @@ async def test_mvcc_gauges_follow_a_transaction_that_pins_the_horizon(dsn: str) 
                 before = await scrape()
                 tx = holder.transaction(isolation="repeatable_read")
                 await tx.start()
-                await holder.fetchval("SELECT count(*) FROM outbox_events")  # the snapshot
+                await holder.fetchval("SELECT count(*) FROM outbox_events_all")  # the snapshot
                 await aiooutbox.enqueue_many(pool, [aiooutbox.NewEvent("t", {})] * 500)
                 await wait_until(truthy(lambda: handled == 500), 60)
 

@@ -23,7 +23,7 @@ Q = queries()
 
 async def _key(pool: asyncpg.Pool, key: str) -> list[str]:
     rows = await pool.fetch(
-        "SELECT status::text FROM outbox_events WHERE ordering_key = $1 ORDER BY id", key
+        "SELECT status::text FROM outbox_events_all WHERE ordering_key = $1 ORDER BY id", key
     )
     return [r[0] for r in rows]
 
@@ -32,7 +32,7 @@ async def _heads(pool: asyncpg.Pool) -> dict[str, int]:
     """Per key: how many events stand for it (claimable, or a running run's flag)."""
     rows = await pool.fetch(
         "SELECT ordering_key, count(*) FILTER (WHERE status IN ('pending', 'retry')"
-        " OR (status = 'processing' AND holds_key)) FROM outbox_events"
+        " OR (status = 'processing' AND holds_key)) FROM outbox_events_all"
         " WHERE ordering_key IS NOT NULL GROUP BY 1"
     )
     return {r[0]: r[1] for r in rows}
@@ -76,7 +76,7 @@ async def test_flow_control_still_holds_after_0013(pool: asyncpg.Pool) -> None:
     )
     assert [(r["topic"], r["held"]) for r in limited] == [("limited", None), ("limited", "running")]
     flagged = await pool.fetch(
-        "SELECT status::text FROM outbox_events WHERE ordering_key = 'limited-k' AND holds_key"
+        "SELECT status::text FROM outbox_events_all WHERE ordering_key = 'limited-k' AND holds_key"
     )
     assert [r[0] for r in flagged] == ["processing"]
     assert set((await _heads(pool)).values()) == {1}

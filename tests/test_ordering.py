@@ -295,7 +295,7 @@ async def test_bad_ordering_keys_are_refused_before_anything_is_written(
         await aiooutbox.enqueue(pool, "t", {}, ordering_key=key)  # type: ignore[arg-type]
     with pytest.raises(error, match=message):
         await aiooutbox.enqueue_many(pool, [aiooutbox.NewEvent("t", {}, ordering_key=key)])  # type: ignore[arg-type]
-    assert await pool.fetchval("SELECT count(*) FROM outbox_events") == 0
+    assert await pool.fetchval("SELECT count(*) FROM outbox_events_all") == 0
 
 
 @pytest.mark.slow
@@ -441,7 +441,7 @@ async def _last_words(proc: asyncio.subprocess.Process) -> dict[str, int]:
 
 
 async def _done_at_least(pool: asyncpg.Pool, n: int) -> bool:
-    got = await pool.fetchval("SELECT count(*) FROM outbox_events WHERE status = 'done'")
+    got = await pool.fetchval("SELECT count(*) FROM outbox_events_all WHERE status = 'done'")
     return bool(got >= n)
 
 
@@ -488,13 +488,13 @@ async def test_purging_a_blocking_dead_head_lets_the_key_move_on(runs: asyncpg.P
         "UPDATE outbox_events SET status = 'dead', blocks_key = true WHERE id = $1", head
     )
     assert await admin.dead_purge(runs, ids=[head]) == 1
-    assert await runs.fetchval("SELECT status::text FROM outbox_events WHERE id = $1", later) == (
-        "pending"
-    )
+    assert await runs.fetchval(
+        "SELECT status::text FROM outbox_events_all WHERE id = $1", later
+    ) == ("pending")
 
 
 async def _status_is(pool: asyncpg.Pool, event_id: int, status: str) -> bool:
-    got = await pool.fetchval("SELECT status::text FROM outbox_events WHERE id = $1", event_id)
+    got = await pool.fetchval("SELECT status::text FROM outbox_events_all WHERE id = $1", event_id)
     return bool(got == status)
 
 

@@ -60,7 +60,7 @@ async def test_a_claim_takes_runs_behind_every_head_shared_fairly(pool: asyncpg.
         + [(("k0", 2), False), (("k1", 2), False)]
     )
     statuses = await pool.fetch(
-        "SELECT status::text, count(*) FROM outbox_events GROUP BY 1 ORDER BY 1"
+        "SELECT status::text, count(*) FROM outbox_events_all GROUP BY 1 ORDER BY 1"
     )
     assert [tuple(s) for s in statuses] == [("processing", 10), ("waiting", 6)]
 
@@ -77,7 +77,7 @@ async def test_runs_count_towards_the_byte_cap(pool: asyncpg.Pool) -> None:
     ids = {key: [await _insert(pool, key, "pending", payload=payload)] for key in ("a", "b")}
     for key in ("a", "b"):
         ids[key] += [await _insert(pool, key, "waiting", payload=payload) for _ in range(2)]
-    size: int = await pool.fetchval("SELECT pg_column_size(payload) FROM outbox_events LIMIT 1")
+    size: int = await pool.fetchval("SELECT pg_column_size(payload) FROM outbox_events_all LIMIT 1")
     # both heads, and room for one run row (the oldest head's next event), not two
     rows = await _claim(pool, limit=2, run_rows=10, max_bytes=3 * size + size // 2)
     assert sorted(r["id"] for r in rows) == sorted([ids["a"][0], ids["b"][0], ids["a"][1]])
@@ -209,6 +209,6 @@ async def test_promotion_and_the_orphan_sweep_read_the_key_index_beside_a_big_ke
 
 async def _status(pool: asyncpg.Pool, event_id: int) -> str:
     status: str = await pool.fetchval(
-        "SELECT status::text FROM outbox_events WHERE id = $1", event_id
+        "SELECT status::text FROM outbox_events_all WHERE id = $1", event_id
     )
     return status

@@ -147,7 +147,7 @@ async def test_a_snapshot_that_still_holds_is_not_refused(
         statuses = [
             r[0]
             for r in await pool.fetch(
-                "SELECT status::text FROM outbox_events WHERE id = ANY ($1) ORDER BY id", ids
+                "SELECT status::text FROM outbox_events_all WHERE id = ANY ($1) ORDER BY id", ids
             )
         ]
         assert statuses == (["waiting"] * 3 if key == "busy" else ["pending", "waiting", "waiting"])
@@ -164,7 +164,7 @@ async def test_one_row_stands_for_each_running_key(pool: asyncpg.Pool) -> None:
     try:
         for conn in stale:
             await conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
-            await conn.fetchval("SELECT count(*) FROM outbox_events")
+            await conn.fetchval("SELECT count(*) FROM outbox_events_all")
         ids = {
             key: await aiooutbox.enqueue_many(
                 pool,
@@ -176,7 +176,7 @@ async def test_one_row_stands_for_each_running_key(pool: asyncpg.Pool) -> None:
         assert len(rows) == 8
         flagged = dict(
             await pool.fetch(
-                "SELECT ordering_key, array_agg(id) FROM outbox_events"
+                "SELECT ordering_key, array_agg(id) FROM outbox_events_all"
                 " WHERE status = 'processing' AND holds_key GROUP BY 1"
             )
         )
@@ -208,7 +208,7 @@ async def test_one_row_stands_for_each_running_key(pool: asyncpg.Pool) -> None:
     )
     assert failed["settled"] == 3
     statuses = dict(
-        await pool.fetch("SELECT id, status::text FROM outbox_events WHERE id = ANY ($1)", run)
+        await pool.fetch("SELECT id, status::text FROM outbox_events_all WHERE id = ANY ($1)", run)
     )
     assert [statuses[i] for i in run] == ["done", "retry", "waiting", "waiting"]
 
@@ -220,7 +220,7 @@ async def test_one_row_stands_for_each_running_key(pool: asyncpg.Pool) -> None:
     recovered = await pool.fetch(Q.recover_expired, 1000)
     assert sorted(r["status"] for r in recovered) == ["retry", "waiting", "waiting"]
     remaining = await pool.fetch(
-        "SELECT ordering_key FROM outbox_events WHERE holds_key AND status = 'processing'"
+        "SELECT ordering_key FROM outbox_events_all WHERE holds_key AND status = 'processing'"
     )
     assert [r[0] for r in remaining] == ["alone"]
 

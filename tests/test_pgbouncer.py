@@ -211,9 +211,9 @@ async def test_migrate_produce_and_run_through_pgbouncer(bounced: tuple[str, str
         assert json.loads(stats.out)["totals"]["done"] == 641
         # nothing lost, nothing run twice
         assert await status_counts(conn) == {"done": 641}
-        assert await conn.fetchval("SELECT max(attempts) FROM outbox_events") == 1
+        assert await conn.fetchval("SELECT max(attempts) FROM outbox_events_all") == 1
         tags = await conn.fetch(
-            "SELECT payload->>'tag', count(*) FROM outbox_events GROUP BY 1 ORDER BY 1"
+            "SELECT payload->>'tag', count(*) FROM outbox_events_all GROUP BY 1 ORDER BY 1"
         )
         assert [tuple(t) for t in tags] == [
             ("before", 400),

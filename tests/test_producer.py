@@ -22,7 +22,7 @@ SEED_INSERT = (
 
 
 async def count(conn: asyncpg.Connection | asyncpg.Pool, where: str = "true") -> int:
-    n: int = await conn.fetchval(f"SELECT count(*) FROM outbox_events WHERE {where}")
+    n: int = await conn.fetchval(f"SELECT count(*) FROM outbox_events_all WHERE {where}")
     return n
 
 
@@ -32,7 +32,7 @@ async def stored(conn: asyncpg.Connection | asyncpg.Pool, event_id: int) -> dict
         "SELECT id, topic, payload::text AS payload, headers::text AS headers, dedupe_key,"
         " status::text AS status, attempts, max_attempts, available_at, created_at,"
         " updated_at, finished_at, last_error, locked_by"
-        " FROM outbox_events WHERE id = $1",
+        " FROM outbox_events_all WHERE id = $1",
         event_id,
     )
     assert row is not None, f"no row with id {event_id}"
@@ -175,7 +175,7 @@ async def test_payload_round_trips(txn_conn: asyncpg.Connection, payload: Any) -
         assert type(row["payload"]) is type(payload)
     # and PostgreSQL holds it as real JSONB, not a JSON string wrapping the text
     assert await txn_conn.fetchval(
-        "SELECT payload = $1::text::jsonb FROM outbox_events WHERE id = $2",
+        "SELECT payload = $1::text::jsonb FROM outbox_events_all WHERE id = $2",
         json.dumps(payload),
         one,
     )
@@ -188,7 +188,7 @@ async def test_headers_round_trip(txn_conn: asyncpg.Connection) -> None:
     for i in (event_id, many_id):
         assert (await stored(txn_conn, i))["headers"] == headers  # type: ignore[arg-type]
     assert await txn_conn.fetchval(
-        "SELECT headers->>'traceparent' FROM outbox_events WHERE id = $1", event_id
+        "SELECT headers->>'traceparent' FROM outbox_events_all WHERE id = $1", event_id
     ) == ("00-abc-def-01")
 
 
@@ -201,13 +201,13 @@ async def test_json_codec_on_the_connection_does_not_double_encode(
     )
     event_id = await aiooutbox.enqueue(txn_conn, "t", {"a": 1}, headers={"h": "v"})
     assert await txn_conn.fetchval(
-        "SELECT jsonb_typeof(payload) || ',' || jsonb_typeof(headers) FROM outbox_events"
+        "SELECT jsonb_typeof(payload) || ',' || jsonb_typeof(headers) FROM outbox_events_all"
         " WHERE id = $1",
         event_id,
     ) == ("object,object")
-    assert await txn_conn.fetchval("SELECT payload FROM outbox_events WHERE id = $1", event_id) == {
-        "a": 1
-    }
+    assert await txn_conn.fetchval(
+        "SELECT payload FROM outbox_events_all WHERE id = $1", event_id
+    ) == {"a": 1}
 
 
 async def test_custom_encoder_is_used(txn_conn: asyncpg.Connection) -> None:
@@ -278,7 +278,7 @@ async def test_available_at_is_stored_exactly(txn_conn: asyncpg.Connection) -> N
     # the same instant, whatever the session's time zone
     await txn_conn.execute("SET TIME ZONE 'America/New_York'")
     assert await txn_conn.fetchval(
-        "SELECT available_at = '2031-02-02 22:35:06.789+00' FROM outbox_events WHERE id = $1",
+        "SELECT available_at = '2031-02-02 22:35:06.789+00' FROM outbox_events_all WHERE id = $1",
         event_id,
     )
 
@@ -387,7 +387,7 @@ async def test_seed_raw_sql_insert_dedupes_against_itself_and_the_api(
     assert await count(conn) == 1
     row = await conn.fetchrow(
         "SELECT topic, payload::text, status::text, headers::text, max_attempts, attempts"
-        " FROM outbox_events"
+        " FROM outbox_events_all"
     )
     assert row["topic"] == "orders.created"
     assert json.loads(row["payload"]) == {"order_id": 42}
@@ -472,9 +472,9 @@ async def test_enqueue_many_dedupes_within_the_batch_and_against_the_table(
     assert len(set(inserted)) == 6
     assert await count(conn) == 7
     assert (await stored(conn, existing))["payload"] == "existing"  # type: ignore[arg-type]
-    assert await conn.fetch("SELECT payload::text FROM outbox_events WHERE dedupe_key = 'k1'") == [
-        ('"k1 first"',)
-    ]
+    assert await conn.fetch(
+        "SELECT payload::text FROM outbox_events_all WHERE dedupe_key = 'k1'"
+    ) == [('"k1 first"',)]
 
 
 async def test_enqueue_many_second_batch_is_all_duplicates(conn: asyncpg.Connection) -> None:
@@ -514,7 +514,7 @@ async def test_enqueue_many_large_mixed_batch_maps_ids_to_payloads(
         r["id"]: r
         for r in await conn.fetch(
             "SELECT id, topic, (payload->>'n')::int AS n, dedupe_key, max_attempts,"
-            " headers->>'n' AS h FROM outbox_events"
+            " headers->>'n' AS h FROM outbox_events_all"
         )
     }
     assert len(rows) == sum(expected_present)

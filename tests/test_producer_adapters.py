@@ -43,7 +43,7 @@ async def kind(request: pytest.FixtureRequest, dsn: str) -> AsyncIterator[Kind]:
 async def committed(conn: asyncpg.Connection) -> list[tuple[Any, ...]]:
     """What other sessions see: the committed rows."""
     rows = await conn.fetch(
-        "SELECT topic, payload::text, dedupe_key FROM outbox_events ORDER BY id"
+        "SELECT topic, payload::text, dedupe_key FROM outbox_events_all ORDER BY id"
     )
     return [tuple(r) for r in rows]
 
@@ -54,7 +54,7 @@ async def test_rollback_leaves_no_row_and_commit_exactly_one(
     await kind.begin()
     rolled = await kind.enqueue("orders.created", {"n": 1})
     assert isinstance(rolled, int)
-    assert await kind.fetchval("SELECT count(*) FROM outbox_events") == 1
+    assert await kind.fetchval("SELECT count(*) FROM outbox_events_all") == 1
     assert await committed(conn) == [], "not visible before commit"
     await kind.rollback()
     assert await committed(conn) == []
@@ -65,7 +65,7 @@ async def test_rollback_leaves_no_row_and_commit_exactly_one(
     assert await committed(conn) == [
         ("orders.created", '{"n": 2, "text": "ż 😀 %s %(x)s $1"}', None)
     ]
-    assert await conn.fetchval("SELECT id FROM outbox_events") == kept
+    assert await conn.fetchval("SELECT id FROM outbox_events_all") == kept
 
 
 async def test_a_repeated_dedupe_key_returns_none(kind: Kind, conn: asyncpg.Connection) -> None:
@@ -102,19 +102,21 @@ async def test_enqueue_many_results_in_input_order(kind: Kind, conn: asyncpg.Con
         if event_id is not None:
             row = await conn.fetchrow(
                 "SELECT payload #>> '{}' AS payload, dedupe_key, max_attempts, headers::text"
-                " FROM outbox_events WHERE id = $1",
+                " FROM outbox_events_all WHERE id = $1",
                 event_id,
             )
             assert (row["payload"], row["dedupe_key"]) == (event.payload, event.dedupe_key)
             assert row["max_attempts"] == (event.max_attempts or 5)
             assert row["headers"] == ('{"h": "v"}' if event.headers else "{}")
-    scheduled = await conn.fetchval("SELECT available_at FROM outbox_events WHERE id = $1", ids[6])
+    scheduled = await conn.fetchval(
+        "SELECT available_at FROM outbox_events_all WHERE id = $1", ids[6]
+    )
     assert scheduled == datetime(2030, 1, 1, tzinfo=timezone.utc)
     assert await conn.fetchval(
-        "SELECT available_at > now() + interval '50 seconds' FROM outbox_events WHERE id = $1",
+        "SELECT available_at > now() + interval '50 seconds' FROM outbox_events_all WHERE id = $1",
         ids[5],
     )
-    assert await conn.fetchval("SELECT count(*) FROM outbox_events") == 6
+    assert await conn.fetchval("SELECT count(*) FROM outbox_events_all") == 6
 
 
 async def test_a_rolled_back_savepoint_removes_its_event(
@@ -125,7 +127,7 @@ async def test_a_rolled_back_savepoint_removes_its_event(
     await kind.savepoint()
     await kind.enqueue("t", "inside", dedupe_key="inside")
     await kind.enqueue_many([NewEvent("t", "inside many")])
-    assert await kind.fetchval("SELECT count(*) FROM outbox_events") == 3
+    assert await kind.fetchval("SELECT count(*) FROM outbox_events_all") == 3
     await kind.rollback_savepoint()
     await kind.enqueue("t", "after", dedupe_key="after")
     # the savepoint's dedupe key is free again
@@ -150,7 +152,7 @@ async def test_every_bad_input_raises_before_anything_is_written(kind: Kind) -> 
     with pytest.raises(TypeError, match=r"iterable of aiooutbox\.NewEvent"):
         await kind.enqueue_many(NewEvent("t", 1))
     # nothing was written, and the caller's transaction is still usable
-    assert await kind.fetchval("SELECT count(*) FROM outbox_events") == 0
+    assert await kind.fetchval("SELECT count(*) FROM outbox_events_all") == 0
     assert isinstance(await kind.enqueue("t", 1, dedupe_key="first"), int)
     await kind.rollback()
 
@@ -288,7 +290,7 @@ async def test_django_outside_atomic_commits_on_its_own(dsn: str, conn: asyncpg.
 
     with ThreadPoolExecutor(1) as thread:
         event_id = await loop.run_in_executor(thread, produce)
-    assert await conn.fetchval("SELECT id FROM outbox_events") == event_id
+    assert await conn.fetchval("SELECT id FROM outbox_events_all") == event_id
 
 
 # -- producers sharing dedupe keys ---------------------------------------------------------
@@ -380,8 +382,8 @@ async def test_producers_sharing_dedupe_keys_in_different_orders_do_not_deadlock
     assert len(orders) == 4, "each producer shuffled the keys its own way"
     # every key exactly once, whoever won it; each producer's unkeyed events all went in
     assert sum(r["inserted"] for r in results) == keys + 4 * 3
-    assert await conn.fetchval("SELECT count(DISTINCT dedupe_key) FROM outbox_events") == keys
-    assert await conn.fetchval("SELECT count(*) FROM outbox_events") == keys + 4 * 3
+    assert await conn.fetchval("SELECT count(DISTINCT dedupe_key) FROM outbox_events_all") == keys
+    assert await conn.fetchval("SELECT count(*) FROM outbox_events_all") == keys + 4 * 3
 
 
 def test_one_statement_definition_renders_for_each_paramstyle() -> None:
@@ -433,7 +435,7 @@ async def test_the_apps_own_json_codecs_cannot_double_encode(
         await session.commit()
     await engine.dispose()
 
-    rows = await conn.fetch("SELECT payload::text FROM outbox_events ORDER BY id")
+    rows = await conn.fetch("SELECT payload::text FROM outbox_events_all ORDER BY id")
     assert [r[0] for r in rows] == [
         '{"via": "asyncpg"}',
         '{"via": "psycopg"}',

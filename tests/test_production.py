@@ -216,7 +216,7 @@ async def test_failover_to_a_promoted_standby(pair: ReplicaPair, app_db: str) ->
                 held = {
                     r[0]
                     for r in await standby.fetch(
-                        "SELECT id FROM outbox_events WHERE status = 'processing'"
+                        "SELECT id FROM outbox_events_all WHERE status = 'processing'"
                     )
                 }
             finally:
@@ -236,10 +236,12 @@ async def test_failover_to_a_promoted_standby(pair: ReplicaPair, app_db: str) ->
                 drained = await wait_until(lambda: all_finished(new_primary), 60, "the drain")
                 rows = {
                     r[0]: r[1]
-                    for r in await new_primary.fetch("SELECT id, status::text FROM outbox_events")
+                    for r in await new_primary.fetch(
+                        "SELECT id, status::text FROM outbox_events_all"
+                    )
                 }
                 recovered = await new_primary.fetchval(
-                    "SELECT count(*) FROM outbox_events WHERE id = ANY ($1::bigint[])"
+                    "SELECT count(*) FROM outbox_events_all WHERE id = ANY ($1::bigint[])"
                     " AND attempts > 1",
                     list(held),
                 )
@@ -431,7 +433,7 @@ async def test_watchdog_names_the_transaction_that_pins_the_horizon(
         )
         tx = holder.transaction(isolation="repeatable_read")
         await tx.start()
-        await holder.fetchval("SELECT count(*) FROM outbox_events")  # takes the snapshot
+        await holder.fetchval("SELECT count(*) FROM outbox_events_all")  # takes the snapshot
         holder_pid = holder.get_server_pid()
         handled = 0
 
@@ -532,7 +534,7 @@ async def test_recovery_racing_a_settle_at_the_lease_boundary(dsn: str) -> None:
 
             settled, recovered = await asyncio.gather(settle(), recover())
             status = await setup.fetchval(
-                "SELECT status::text FROM outbox_events WHERE id = $1", row["id"]
+                "SELECT status::text FROM outbox_events_all WHERE id = $1", row["id"]
             )
             if settled:
                 settle_wins += 1
@@ -618,7 +620,9 @@ async def test_backend_kills_during_claims_cost_no_lease(dsn: str) -> None:
             await produce
             await wait_until(lambda: all_finished(killer_conn), 60, "every event to finish")
             assert not task.done()
-    released = await killer_conn.fetchval("SELECT count(*) FROM outbox_events WHERE attempts > 1")
+    released = await killer_conn.fetchval(
+        "SELECT count(*) FROM outbox_events_all WHERE attempts > 1"
+    )
     await killer_conn.close()
     ordered = sorted(latencies.values())
     p99 = ordered[int(0.99 * (len(ordered) - 1))]

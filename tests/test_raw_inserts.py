@@ -121,7 +121,7 @@ async def test_the_error_names_every_column_at_once_and_one_bad_row_refuses_the_
         " attempts 2 (0: consumers count them);"
         " locked_by, locked_at, lease_expires_at (a consumer's lease)"
     )
-    assert await pool.fetchval("SELECT count(*) FROM outbox_events") == 0
+    assert await pool.fetchval("SELECT count(*) FROM outbox_events_all") == 0
 
 
 async def test_copy_is_checked_like_insert(pool: asyncpg.Pool) -> None:

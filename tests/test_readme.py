@@ -87,7 +87,7 @@ async def test_sql_snippet_is_an_idempotent_producer(conn: asyncpg.Connection) -
     (sql,) = _blocks("sql")
     await conn.execute(sql)
     await conn.execute(sql)
-    rows = await conn.fetch("SELECT topic, payload::text, status::text FROM outbox_events")
+    rows = await conn.fetch("SELECT topic, payload::text, status::text FROM outbox_events_all")
     assert [tuple(r) for r in rows] == [("orders.created", '{"order_id": 42}', "pending")]
 
 

@@ -24,7 +24,7 @@ Q = queries()
 
 async def _statuses(pool: asyncpg.Pool, ids: list[int]) -> list[tuple[str, str | None]]:
     rows = await pool.fetch(
-        "SELECT status::text, locked_by FROM outbox_events WHERE id = ANY($1) ORDER BY id", ids
+        "SELECT status::text, locked_by FROM outbox_events_all WHERE id = ANY($1) ORDER BY id", ids
     )
     return [(r[0], r[1]) for r in rows]
 

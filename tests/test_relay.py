@@ -74,7 +74,7 @@ async def one_event(pool: asyncpg.Pool, topic: str) -> dict[str, Any]:
         await aiooutbox.enqueue(
             conn, topic, {"order": 42, "name": "Zoë"}, dedupe_key="order-42", headers=HEADERS
         )
-    row = await pool.fetchrow("SELECT id, message_id::text FROM outbox_events")
+    row = await pool.fetchrow("SELECT id, message_id::text FROM outbox_events_all")
     assert row is not None
     return dict(row)
 
@@ -118,7 +118,7 @@ async def test_nats_subject_no_stream_captures_ends_dead(pool: asyncpg.Pool) -> 
             if (await counts(pool)).get("dead"):
                 break
             await asyncio.sleep(0.05)
-    row = await pool.fetchrow("SELECT status::text, attempts, last_error FROM outbox_events")
+    row = await pool.fetchrow("SELECT status::text, attempts, last_error FROM outbox_events_all")
     assert row is not None
     assert (row["status"], row["attempts"]) == ("dead", 1)
     assert "no JetStream stream captures subject" in row["last_error"]
@@ -190,7 +190,7 @@ async def test_rabbitmq_unroutable_is_dead_at_once(pool: asyncpg.Pool) -> None:
             if (await counts(pool)).get("dead"):
                 break
             await asyncio.sleep(0.05)
-    row = await pool.fetchrow("SELECT status::text, attempts, last_error FROM outbox_events")
+    row = await pool.fetchrow("SELECT status::text, attempts, last_error FROM outbox_events_all")
     assert row is not None
     assert (row["status"], row["attempts"]) == ("dead", 1)
     assert "no queue is bound for routing key" in row["last_error"]
@@ -249,7 +249,7 @@ async def test_redis_past_a_hundred_publishes_in_flight_is_no_outage(
             await wait_done(pool, 600)
         held = [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
         assert held == [], held[:3]
-        attempts = await pool.fetch("SELECT attempts, count(*) FROM outbox_events GROUP BY 1")
+        attempts = await pool.fetch("SELECT attempts, count(*) FROM outbox_events_all GROUP BY 1")
         assert [tuple(r) for r in attempts] == [(1, 600)], attempts
         assert await client.xlen(stream) == 600
     finally:
@@ -408,7 +408,7 @@ async def test_webhook_outcomes(pool: asyncpg.Pool) -> None:
             r["topic"]: r
             for r in await pool.fetch(
                 "SELECT topic, status::text, attempts, last_error, message_id::text "
-                "FROM outbox_events"
+                "FROM outbox_events_all"
             )
         }
     finally:
@@ -446,7 +446,7 @@ async def test_webhook_retry_after_sets_the_delay(pool: asyncpg.Pool) -> None:
     finally:
         await server.close()
     delay = await pool.fetchval(
-        "SELECT extract(epoch FROM available_at - now()) FROM outbox_events"
+        "SELECT extract(epoch FROM available_at - now()) FROM outbox_events_all"
     )
     assert 100 < delay <= 120, delay
 

@@ -417,7 +417,7 @@ async def test_redis_failed_and_refused_events_among_good_ones_only_they_repeat(
         async with relaying(pool, sink, retry=retry, concurrency=512):
             rows = await settled(pool, [*good, refused], SETTLE_WITHIN)
             first = await pool.fetchrow(
-                "SELECT status::text, attempts, last_error FROM outbox_events WHERE id = $1",
+                "SELECT status::text, attempts, last_error FROM outbox_events_all WHERE id = $1",
                 failed,
             )
             await admin.acl_setuser("relay", enabled=True, keys=["other*"])
@@ -502,7 +502,7 @@ async def settled_all(pool: asyncpg.Pool, total: int, within: float = 60) -> Non
         await asyncio.sleep(0.05)
 
 
-_DONE = "SELECT count(*) FROM outbox_events WHERE status = 'done'"
+_DONE = "SELECT count(*) FROM outbox_events_all WHERE status = 'done'"
 
 
 # -- the runner's flags ----------------------------------------------------------------------

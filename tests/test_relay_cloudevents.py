@@ -74,7 +74,7 @@ async def two_events(pool: asyncpg.Pool, topic: str) -> dict[str, dict[str, Any]
         )
         await aiooutbox.enqueue(conn, topic, {"order": 2})
     rows = await pool.fetch(
-        "SELECT message_id::text, topic, payload, ordering_key, created_at FROM outbox_events"
+        "SELECT message_id::text, topic, payload, ordering_key, created_at FROM outbox_events_all"
     )
     return {r["message_id"]: dict(r) for r in rows}
 

@@ -21,7 +21,9 @@ from tests.relay.common import unique
 async def done(dsn: str) -> int:
     conn = await asyncpg.connect(dsn)
     try:
-        return int(await conn.fetchval("SELECT count(*) FROM outbox_events WHERE status = 'done'"))
+        return int(
+            await conn.fetchval("SELECT count(*) FROM outbox_events_all WHERE status = 'done'")
+        )
     finally:
         await conn.close()
 

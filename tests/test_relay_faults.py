@@ -103,7 +103,7 @@ async def test_two_outboxes_one_stream_exactly_40k(
             topics = (prefix + "created", prefix + "paid")
             await fill(pool, TOTAL, topics=topics)
             await fill(other_pool, TOTAL, topics=topics)
-            ids = "SELECT min(id), max(id) FROM outbox_events"
+            ids = "SELECT min(id), max(id) FROM outbox_events_all"
             assert tuple(await pool.fetchrow(ids)) == tuple(await other_pool.fetchrow(ids))
             from tests.relay.common import RelayProcess
 
@@ -141,7 +141,7 @@ async def repeats(pool: asyncpg.Pool) -> int:
     attempts > 1, or an ordered run member that recovery gave its attempt back (its
     available_at moved past its creation); the rows the killed relay held."""
     found: int = await pool.fetchval(
-        "SELECT count(*) FROM outbox_events WHERE attempts > 1"
+        "SELECT count(*) FROM outbox_events_all WHERE attempts > 1"
         " OR (ordering_key IS NOT NULL AND available_at > created_at)"
     )
     return found
@@ -262,7 +262,7 @@ async def test_redis_ordered_exactly_once_through_sigkill(dsn: str, pool: asyncp
                     print("entry", sid, f[b"event_id"], f.get(b"ordering_key"))
             for r in await pool.fetch(
                 "SELECT id, attempts, ordering_key, created_at, available_at, finished_at, "
-                "last_error FROM outbox_events WHERE message_id::text = ANY($1)",
+                "last_error FROM outbox_events_all WHERE message_id::text = ANY($1)",
                 twice,
             ):
                 print("row", dict(r))

@@ -82,7 +82,7 @@ async def enqueue(
 async def settled(pool: asyncpg.Pool, ids: list[int], within: float) -> dict[int, Any]:
     """Wait until every event of ``ids`` is done or dead; its rows by id."""
     began = time.monotonic()
-    query = "SELECT id, topic, status::text, attempts, last_error FROM outbox_events"
+    query = "SELECT id, topic, status::text, attempts, last_error FROM outbox_events_all"
     while True:
         rows = {r["id"]: r for r in await pool.fetch(query + " WHERE id = ANY($1)", ids)}
         if all(r["status"] in ("done", "dead") for r in rows.values()):
@@ -237,7 +237,8 @@ async def test_nats_publish_permission_violation_is_no_outage(pool: asyncpg.Pool
         async with relaying(pool, NatsSink(url), retry=RETRY_LATER):
             while True:
                 row = await pool.fetchrow(
-                    "SELECT status::text, attempts, last_error FROM outbox_events WHERE id = $1",
+                    "SELECT status::text, attempts, last_error"
+                    " FROM outbox_events_all WHERE id = $1",
                     denied,
                 )
                 if row["status"] == "retry" or time.monotonic() - began > SETTLE_WITHIN:
@@ -365,7 +366,8 @@ async def test_rabbitmq_access_refused_is_no_outage(pool: asyncpg.Pool) -> None:
         async with relaying(pool, sink, retry=RETRY_LATER):
             while True:
                 row = await pool.fetchrow(
-                    "SELECT status::text, attempts, last_error FROM outbox_events WHERE id = $1",
+                    "SELECT status::text, attempts, last_error"
+                    " FROM outbox_events_all WHERE id = $1",
                     event_id,
                 )
                 if row["status"] == "retry" or time.monotonic() - began > SETTLE_WITHIN:
@@ -501,7 +503,7 @@ async def test_redis_out_of_memory_is_held_as_an_outage(pool: asyncpg.Pool) -> N
         async with relaying(pool, sink, retry=RETRY_LATER):
             await asyncio.sleep(3)
             held = await pool.fetch(
-                "SELECT status::text, attempts FROM outbox_events WHERE id = ANY($1)", ids
+                "SELECT status::text, attempts FROM outbox_events_all WHERE id = ANY($1)", ids
             )
             await client.config_set("maxmemory", 0)  # room again
             rows = await settled(pool, ids, SETTLE_WITHIN)

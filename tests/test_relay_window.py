@@ -156,7 +156,7 @@ async def test_nats_failure_amid_concurrent_publishes_settles_only_its_event(
             found = await wait_settled(pool, len(events))
         assert found == {"done": 600, "dead": 1}, found
         rows = await pool.fetch(
-            "SELECT topic, status::text, attempts, last_error FROM outbox_events"
+            "SELECT topic, status::text, attempts, last_error FROM outbox_events_all"
         )
         (failed,) = [r for r in rows if r["status"] == "dead"]
         assert failed["topic"] == stray
@@ -208,7 +208,7 @@ async def test_nats_pubacks_that_never_come_time_out_then_dedupe(pool: asyncpg.P
                 os.kill(broker.proc.pid, signal.SIGCONT)
         print(f"attempts failed while frozen: {retried}; duplicates dropped: {sink.duplicates}")
         assert retried >= 50
-        attempts = [r[0] for r in await pool.fetch("SELECT attempts FROM outbox_events")]
+        attempts = [r[0] for r in await pool.fetch("SELECT attempts FROM outbox_events_all")]
         assert min(attempts) >= 2, f"an event was done without a timed-out attempt: {attempts}"
         assert await counts(pool) == {"done": 50}
         await nc.flush()

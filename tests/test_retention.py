@@ -61,9 +61,9 @@ async def _keepers(pool: asyncpg.Pool) -> set[int]:
         f" finished_at = {old} WHERE id = $1",
         head,
     )
-    assert await pool.fetchval("SELECT status::text FROM outbox_events WHERE id = $1", behind) == (
-        "waiting"
-    )
+    assert await pool.fetchval(
+        "SELECT status::text FROM outbox_events_all WHERE id = $1", behind
+    ) == ("waiting")
     keep = {i for i in (*ids, head, behind) if i is not None}
     assert len(keep) == 6
     return keep
@@ -73,7 +73,7 @@ async def test_rounds_purge_a_backlog_and_nothing_else(pool: asyncpg.Pool) -> No
     await _history(pool, DUE, "2 days")
     await _history(pool, 700, "1 hour", topic="recent")  # within the retention
     keep = await _keepers(pool)
-    kept = await pool.fetchval("SELECT count(*) FROM outbox_events") - DUE
+    kept = await pool.fetchval("SELECT count(*) FROM outbox_events_all") - DUE
     maintenance = _maintenance(pool)
     rounds, deleted = [], 0
     while True:
@@ -86,7 +86,7 @@ async def test_rounds_purge_a_backlog_and_nothing_else(pool: asyncpg.Pool) -> No
         assert n >= _PURGE_BATCH, rounds
         assert len(rounds) <= DUE // _PURGE_BATCH + 1, rounds
     assert deleted == DUE, rounds
-    left = await pool.fetch("SELECT id, topic FROM outbox_events")
+    left = await pool.fetch("SELECT id, topic FROM outbox_events_all")
     assert len(left) == kept
     assert {r["topic"] for r in left} == {"recent", "keep"}
     assert keep <= {r["id"] for r in left}
@@ -106,7 +106,7 @@ async def test_a_consumer_purges_more_than_one_old_round_at_start(pool: asyncpg.
         return None
 
     async def purged() -> bool:
-        left = await pool.fetchval("SELECT count(*) FROM outbox_events")
+        left = await pool.fetchval("SELECT count(*) FROM outbox_events_all")
         return bool(left == 0)
 
     consumer = aiooutbox.OutboxConsumer(pool, retention=timedelta(days=1), poll_interval=1.0)

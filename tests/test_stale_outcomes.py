@@ -40,7 +40,7 @@ async def _claim(pool: asyncpg.Pool) -> dict[int, int]:
 
 async def _row(pool: asyncpg.Pool, event_id: int) -> tuple[str, str | None, int]:
     row = await pool.fetchrow(
-        "SELECT status::text, locked_by, attempts FROM outbox_events WHERE id = $1", event_id
+        "SELECT status::text, locked_by, attempts FROM outbox_events_all WHERE id = $1", event_id
     )
     assert row is not None
     return row["status"], row["locked_by"], row["attempts"]
@@ -185,7 +185,7 @@ async def test_a_stale_outcome_written_during_the_claim_does_not_start_the_row(
 
     async def handle(event: aiooutbox.Event) -> None:
         seen = await pool.fetchval(
-            "SELECT status::text || ' ' || coalesce(locked_by, '-') FROM outbox_events"
+            "SELECT status::text || ' ' || coalesce(locked_by, '-') FROM outbox_events_all"
             " WHERE id = $1",
             event.id,
         )
@@ -205,7 +205,7 @@ async def test_a_stale_outcome_written_during_the_claim_does_not_start_the_row(
 
 async def _done(pool: asyncpg.Pool, *ids: int) -> bool:
     done: int = await pool.fetchval(
-        "SELECT count(*) FROM outbox_events WHERE id = ANY ($1::bigint[]) AND status = 'done'",
+        "SELECT count(*) FROM outbox_events_all WHERE id = ANY ($1::bigint[]) AND status = 'done'",
         list(ids),
     )
     return done == len(ids)

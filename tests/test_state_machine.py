@@ -105,7 +105,7 @@ class Row:
 
 SNAPSHOT = (
     "SELECT id, status::text, attempts, max_attempts, locked_by, lease_expires_at,"
-    " available_at, finished_at, last_error, updated_at FROM outbox_events"
+    " available_at, finished_at, last_error, updated_at FROM outbox_events_all"
 )
 
 
@@ -142,7 +142,9 @@ def make_machine(world: World) -> type[RuleBasedStateMachine]:
     class OutboxMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
-            world.run(world.conn.execute("TRUNCATE outbox_events RESTART IDENTITY"))
+            world.run(
+                world.conn.execute("TRUNCATE outbox_events, outbox_events_done RESTART IDENTITY")
+            )
             self.enqueued: set[int] = set()
             # what each worker believes it holds: id -> attempts it claimed at
             self.claims: dict[str, dict[int, int]] = {w: {} for w in WORKERS}
@@ -486,12 +488,12 @@ def test_row_state_machine(machine_dsn: str) -> None:
 KEYS = ("a", "b", "c")
 ORDERED = (
     "SELECT id, ordering_key, status::text, attempts, locked_by, blocks_key,"
-    " lease_expires_at, finished_at FROM outbox_events"
+    " lease_expires_at, finished_at FROM outbox_events_all"
 )
 # per key, what must never be: a claimable head beside processing events, processing
 # events held by two workers (two runs at once), two claimable heads
 OVERLAPPING_KEYS = """
-SELECT ordering_key FROM outbox_events WHERE ordering_key IS NOT NULL
+SELECT ordering_key FROM outbox_events_all WHERE ordering_key IS NOT NULL
 GROUP BY ordering_key
 HAVING (bool_or(status = 'processing') AND bool_or(status IN ('pending', 'retry')))
     OR count(DISTINCT locked_by) FILTER (WHERE status = 'processing') > 1
@@ -499,7 +501,7 @@ HAVING (bool_or(status = 'processing') AND bool_or(status IN ('pending', 'retry'
 """
 # keys whose events wait with nothing that will ever promote them but the sweep
 ORPHANED_KEYS = """
-SELECT ordering_key FROM outbox_events WHERE ordering_key IS NOT NULL
+SELECT ordering_key FROM outbox_events_all WHERE ordering_key IS NOT NULL
 GROUP BY ordering_key
 HAVING bool_or(status = 'waiting')
    AND NOT bool_or(status IN ('pending', 'retry', 'processing') OR blocks_key)
@@ -507,9 +509,9 @@ HAVING bool_or(status = 'waiting')
 # a waiting event earlier than its key's running or claimable events (out of order),
 # other than one an operator redrove behind a head on purpose
 JUMPED_AHEAD = """
-SELECT w.id FROM outbox_events w
+SELECT w.id FROM outbox_events_all w
 WHERE w.status = 'waiting' AND NOT (w.id = ANY ($1::bigint[]))
-  AND EXISTS (SELECT 1 FROM outbox_events h WHERE h.ordering_key = w.ordering_key
+  AND EXISTS (SELECT 1 FROM outbox_events_all h WHERE h.ordering_key = w.ordering_key
               AND h.status IN ('pending', 'retry', 'processing') AND h.id > w.id)
 """
 
@@ -541,7 +543,9 @@ def make_ordered_machine(world: OrderedWorld) -> type[RuleBasedStateMachine]:
             super().__init__()
             if world.producer.is_in_transaction():  # an example that failed mid-step
                 world.run(world.producer.execute("ROLLBACK"))
-            world.run(world.conn.execute("TRUNCATE outbox_events RESTART IDENTITY"))
+            world.run(
+                world.conn.execute("TRUNCATE outbox_events, outbox_events_done RESTART IDENTITY")
+            )
             self.expected: set[int] = set()  # ids that must exist
             self.max_attempts: dict[int, int] = {}
             # each worker's runs as it sees them: [(id, attempts), ...], next to run first
@@ -724,7 +728,7 @@ def make_ordered_machine(world: OrderedWorld) -> type[RuleBasedStateMachine]:
         def _any_dead(self) -> bool:
             found: bool = world.run(
                 world.conn.fetchval(
-                    "SELECT EXISTS (SELECT 1 FROM outbox_events WHERE status = 'dead')"
+                    "SELECT EXISTS (SELECT 1 FROM outbox_events_all WHERE status = 'dead')"
                 )
             )
             return found

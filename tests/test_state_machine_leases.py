@@ -102,7 +102,9 @@ def make_ordered_machine(world: World, pool: asyncpg.Pool) -> type[RuleBasedStat
 
         def __init__(self) -> None:
             super().__init__()
-            world.run(world.conn.execute("TRUNCATE outbox_events RESTART IDENTITY"))
+            world.run(
+                world.conn.execute("TRUNCATE outbox_events, outbox_events_done RESTART IDENTITY")
+            )
             self.workers = {w: Worker(w, pool) for w in WORKERS[:2]}
             self.enqueued = 0
             self.purged = 0
@@ -113,7 +115,7 @@ def make_ordered_machine(world: World, pool: asyncpg.Pool) -> type[RuleBasedStat
             record: asyncpg.Record = world.run(
                 world.conn.fetchrow(
                     "SELECT status::text, locked_by, attempts, lease_expires_at > now() AS live,"
-                    " ordering_key FROM outbox_events WHERE id = $1",
+                    " ordering_key FROM outbox_events_all WHERE id = $1",
                     event_id,
                 )
             )
@@ -194,7 +196,7 @@ def make_ordered_machine(world: World, pool: asyncpg.Pool) -> type[RuleBasedStat
                     )
             earlier = world.run(
                 world.conn.fetchval(
-                    "SELECT count(*) FROM outbox_events WHERE ordering_key = $1 AND id < $2"
+                    "SELECT count(*) FROM outbox_events_all WHERE ordering_key = $1 AND id < $2"
                     " AND status NOT IN ('done', 'dead')",
                     row.ordering_key,
                     row.id,
@@ -251,7 +253,7 @@ def make_ordered_machine(world: World, pool: asyncpg.Pool) -> type[RuleBasedStat
                 return
             tx = self.producer.transaction(isolation=level)
             world.run(tx.start())
-            world.run(self.producer.fetchval("SELECT count(*) FROM outbox_events"))
+            world.run(self.producer.fetchval("SELECT count(*) FROM outbox_events_all"))
             self.snapshot = tx
 
         @rule(
@@ -348,16 +350,16 @@ def make_ordered_machine(world: World, pool: asyncpg.Pool) -> type[RuleBasedStat
         def no_key_without_a_head(self) -> None:
             stuck = world.run(
                 world.conn.fetch(
-                    "SELECT DISTINCT w.ordering_key FROM outbox_events w"
+                    "SELECT DISTINCT w.ordering_key FROM outbox_events_all w"
                     " WHERE w.status = 'waiting' AND NOT EXISTS ("
-                    "  SELECT 1 FROM outbox_events h WHERE h.ordering_key = w.ordering_key"
+                    "  SELECT 1 FROM outbox_events_all h WHERE h.ordering_key = w.ordering_key"
                     "  AND (h.status IN ('pending', 'retry', 'processing') OR h.blocks_key))"
                 )
             )
             assert not stuck, f"keys with waiting events and no head: {stuck}"
             doubled = world.run(
                 world.conn.fetch(
-                    "SELECT ordering_key, array_agg(id ORDER BY id) FROM outbox_events"
+                    "SELECT ordering_key, array_agg(id ORDER BY id) FROM outbox_events_all"
                     " WHERE ordering_key IS NOT NULL AND (status IN ('pending', 'retry')"
                     "  OR (status = 'processing' AND holds_key))"
                     " GROUP BY 1 HAVING count(*) > 1"
@@ -366,7 +368,7 @@ def make_ordered_machine(world: World, pool: asyncpg.Pool) -> type[RuleBasedStat
             assert not doubled, f"keys with two heads: {[tuple(r) for r in doubled]}"
             unkeyed = world.run(
                 world.conn.fetchval(
-                    "SELECT count(*) FROM outbox_events WHERE ordering_key IS NULL"
+                    "SELECT count(*) FROM outbox_events_all WHERE ordering_key IS NULL"
                     " AND status NOT IN ('pending', 'retry', 'processing', 'done', 'dead')"
                 )
             )
@@ -400,7 +402,9 @@ def make_ordered_machine(world: World, pool: asyncpg.Pool) -> type[RuleBasedStat
                             world.conn.fetchrow(Q.settle_done, [row.id], "finisher", row.attempts)
                         )
                 counts = world.run(
-                    world.conn.fetch("SELECT status::text, count(*) FROM outbox_events GROUP BY 1")
+                    world.conn.fetch(
+                        "SELECT status::text, count(*) FROM outbox_events_all GROUP BY 1"
+                    )
                 )
                 if {r[0] for r in counts} <= {"done", "dead"}:
                     break
@@ -408,12 +412,12 @@ def make_ordered_machine(world: World, pool: asyncpg.Pool) -> type[RuleBasedStat
             # on past a dead event: no handler here blocks its key)
             left = world.run(
                 world.conn.fetch(
-                    "SELECT id, status::text, ordering_key FROM outbox_events"
+                    "SELECT id, status::text, ordering_key FROM outbox_events_all"
                     " WHERE status NOT IN ('done', 'dead') ORDER BY id"
                 )
             )
             assert not left, f"events never finished: {[tuple(r) for r in left]}"
-            assert world.run(world.conn.fetchval("SELECT count(*) FROM outbox_events")) == (
+            assert world.run(world.conn.fetchval("SELECT count(*) FROM outbox_events_all")) == (
                 self.enqueued - self.purged
             )
 

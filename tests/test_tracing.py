@@ -46,7 +46,7 @@ def finished(exporter: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
 
 
 async def stored_headers(pool: asyncpg.Pool, event_id: int | None) -> dict[str, str]:
-    raw = await pool.fetchval("SELECT headers::text FROM outbox_events WHERE id = $1", event_id)
+    raw = await pool.fetchval("SELECT headers::text FROM outbox_events_all WHERE id = $1", event_id)
     headers: dict[str, str] = json.loads(raw)
     return headers
 
@@ -81,7 +81,7 @@ async def test_request_span_enqueue_and_handler_span_share_one_trace(
     assert seen_inside == [span.context]  # the handler runs inside its span
     attributes = dict(span.attributes or {})
     message_id = await pool.fetchval(
-        "SELECT message_id::text FROM outbox_events WHERE id = $1", event_id
+        "SELECT message_id::text FROM outbox_events_all WHERE id = $1", event_id
     )
     assert attributes == {
         "messaging.system": "aiooutbox",

@@ -86,7 +86,7 @@ async def test_an_unprintable_handler_error_settles_and_the_consumer_runs_on(
         await wait_until(settled, timeout=30)
     assert all(runs[i] == 1 for i in good), runs
     assert runs[bad] == 2
-    error = await pool.fetchval("SELECT last_error FROM outbox_events WHERE id = $1", bad)
+    error = await pool.fetchval("SELECT last_error FROM outbox_events_all WHERE id = $1", bad)
     assert error.startswith(cls.__qualname__), error
     assert "deep_frame_marker" in error, error  # the traceback is kept
     failures = [r.getMessage() for r in caplog.records if f"event {bad} " in r.getMessage()]
@@ -233,7 +233,7 @@ async def test_a_relay_sink_survives_unprintable_client_errors(
 
             await wait_until(settled, timeout=30)
     assert sorted(sink.sent) == sorted(i for i in good if i is not None)
-    error = await pool.fetchval("SELECT last_error FROM outbox_events WHERE id = $1", bad)
+    error = await pool.fetchval("SELECT last_error FROM outbox_events_all WHERE id = $1", bad)
     assert error.startswith("LazyMessage: LazyMessage('refused')"), error
     messages = [r.getMessage() for r in caplog.records]
     assert any("flaky unavailable (LazyOSError: LazyOSError('down')" in m for m in messages), (

@@ -105,7 +105,7 @@ async def test_one_notification_per_advertised_topic_per_statement(
     assert None not in ids
     received = await listener.drain(conn)
     assert sorted(received) == ["a", "b"]
-    assert await conn.fetchval("SELECT count(*) FROM outbox_events") == 4
+    assert await conn.fetchval("SELECT count(*) FROM outbox_events_all") == 4
 
 
 async def test_the_trigger_runs_once_per_statement_not_per_row(
@@ -194,7 +194,7 @@ async def test_a_statement_that_inserts_nothing_notifies_nothing(
         "INSERT INTO outbox_events (topic, payload) SELECT 'a', '{}' WHERE false"
     ) == ("INSERT 0 0")
     assert await listener.drain(conn) == []
-    assert await conn.fetchval("SELECT count(*) FROM outbox_events") == 2
+    assert await conn.fetchval("SELECT count(*) FROM outbox_events_all") == 2
 
 
 async def test_a_partly_deduplicated_statement_notifies_only_inserted_topics(
@@ -218,7 +218,7 @@ async def test_no_idle_advert_means_no_notification(
     await aiooutbox.enqueue(conn, "a", 2)
     await conn.execute("INSERT INTO outbox_events (topic, payload) VALUES ('a', '{}')")
     assert await listener.drain(conn) == []
-    assert await conn.fetchval("SELECT count(*) FROM outbox_events") == 6
+    assert await conn.fetchval("SELECT count(*) FROM outbox_events_all") == 6
 
 
 async def test_an_expired_idle_advert_means_no_notification(
@@ -298,7 +298,10 @@ async def test_delayed_events_wake_idle_consumers_once_per_topic(
         ],
     )
     assert await listener.drain(conn) == ["a", "b"]
-    assert await conn.fetchval("SELECT count(*) FROM outbox_events WHERE available_at > now()") == 4
+    assert (
+        await conn.fetchval("SELECT count(*) FROM outbox_events_all WHERE available_at > now()")
+        == 4
+    )
 
 
 async def test_two_outboxes_use_separate_channels(

@@ -4,8 +4,10 @@ the orphan sweep.
 Heartbeats extend the leases of this consumer's long-running handlers. Recovery returns
 rows whose lease expired (a crashed or partitioned worker) to ``retry``, or to ``dead``
 once their attempts are spent; it is safe with many consumers (``SKIP LOCKED``) and needs
-no extra process. Retention purges old ``done`` rows in bounded batches, as fast as
-they come due within a share of one connection's time. The orphan sweep promotes the
+no extra process. Retention empties the slots of finished events that are past it
+with TRUNCATE, and purges the ``done`` rows kept in the outbox (events with a dedupe
+key) in bounded batches, as fast as they come due within a share of one connection's
+time. The orphan sweep promotes the
 next event of ordered keys left without a head, whatever left them so.
 """
 
@@ -173,6 +175,12 @@ class Maintenance:
         last batch came back full), and the seconds it took."""
         started = time.monotonic()
         deleted = 0
+        # the ring of finished events first: whole slots, by TRUNCATE (0022)
+        retired = await bounded(
+            self._pool, "fetchrow", self._q.retire_done, retention, timeout=self._timeout
+        )
+        if retired is not None and retired["truncated"]:
+            logger.debug("retention: emptied %d slot(s) of finished events", retired["truncated"])
         while True:
             status = await bounded(
                 self._pool,

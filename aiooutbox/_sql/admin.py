@@ -64,35 +64,42 @@ class AdminQueries:
 
     @property
     def done_by_topic_bounded(self) -> str:
-        # $1 bound: done rows by topic, the first $1 by the retention index (finished_at);
-        # exact when their sum is below the bound
+        # $1 bound: done rows by topic, the first $1 of the outbox's (by the retention
+        # index, finished_at) and the first $1 of the ring's (0022); exact when each
+        # part is below the bound
         return (
-            f"SELECT topic, count(*) FROM (SELECT topic FROM {self.qualified}"
-            " WHERE status = 'done' ORDER BY finished_at LIMIT $1) s GROUP BY topic"
+            "SELECT topic, count(*) FILTER (WHERE NOT ring), count(*) FILTER (WHERE ring)"
+            f" FROM ((SELECT topic, false AS ring FROM {self.qualified}"
+            "  WHERE status = 'done' ORDER BY finished_at LIMIT $1)"
+            f" UNION ALL (SELECT topic, true FROM {self.outbox.done_table} LIMIT $1)) s"
+            " GROUP BY topic"
         )
 
-    @property
-    def done_sample_by_topic(self) -> str:
-        # $1 percent of the table's pages, $2 seed: done rows by topic in the sample
+    def done_sample_by_topic(self, ring: bool) -> str:
+        # $1 percent of the table's pages, $2 seed: done rows by topic in the sample,
+        # of the outbox or of the ring
+        source = self.outbox.done_table if ring else self.qualified
+        where = "" if ring else " WHERE status = 'done'"
         return (
-            f"SELECT topic, count(*) FROM {self.qualified}"
-            " TABLESAMPLE SYSTEM ($1::float4) REPEATABLE ($2::float8)"
-            " WHERE status = 'done' GROUP BY topic"
+            f"SELECT topic, count(*) FROM {source}"
+            f" TABLESAMPLE SYSTEM ($1::float4) REPEATABLE ($2::float8){where} GROUP BY topic"
         )
 
     @property
     def table_pages(self) -> str:
-        # the heap's pages now (not pg_class.relpages, which only VACUUM and ANALYZE set)
+        # the heap's pages now (not pg_class.relpages, which only VACUUM and ANALYZE set),
+        # of a table or of every partition of one
         return (
-            "SELECT pg_catalog.pg_relation_size($1::regclass)::float8"
+            "SELECT coalesce(sum(pg_catalog.pg_relation_size(t.relid)), 0)::float8"
             " / current_setting('block_size')::float8"
+            " FROM pg_catalog.pg_partition_tree($1::regclass) AS t"
         )
 
-    @property
-    def explain_rows(self) -> str:
+    def explain_rows(self, ring: bool) -> str:
         # the planner's estimate of the table's rows: pg_class.reltuples scaled to the
         # heap's size now
-        return f"EXPLAIN (FORMAT JSON) SELECT 1 FROM {self.qualified}"
+        source = self.outbox.done_table if ring else self.qualified
+        return f"EXPLAIN (FORMAT JSON) SELECT 1 FROM {source}"
 
     @property
     def oldest_claimable(self) -> str:
@@ -119,18 +126,21 @@ class AdminQueries:
         return (
             "SELECT topic, count(*), count(*) FILTER (WHERE status = 'done'),"
             " count(*) FILTER (WHERE status = 'dead'), coalesce(sum(attempts), 0)::bigint"
-            f" FROM {self.qualified} GROUP BY topic ORDER BY topic"
+            f" FROM {self.outbox.all_events} GROUP BY topic ORDER BY topic"
         )
 
     @property
     def reset_demo(self) -> str:
         # only ever run by `aiooutbox demo` on its own table
-        return f"TRUNCATE {self.qualified} RESTART IDENTITY"
+        return f"TRUNCATE {self.qualified}, {self.outbox.done_table} RESTART IDENTITY"
 
     @property
     def not_demo_events(self) -> str:
         # rows `aiooutbox demo` did not write: it marks its own with this header
-        return f"""SELECT count(*) FROM {self.qualified} WHERE NOT headers @> '{{"demo": true}}'"""
+        return (
+            f"SELECT count(*) FROM {self.outbox.all_events}"
+            """ WHERE NOT headers @> '{"demo": true}'"""
+        )
 
     @property
     def dead_list(self) -> str:
@@ -156,8 +166,10 @@ class AdminQueries:
         # $1 requeued dead ids: how many later events of their keys are already done
         # (a retried event that its key skipped runs late, out of order)
         return (
-            f"SELECT d.id, count(l.id) FROM {self.qualified} d JOIN {self.qualified} l"
-            " ON l.ordering_key = d.ordering_key AND l.id > d.id AND l.status = 'done'"
+            f"SELECT d.id, count(l.id) FROM {self.qualified} d JOIN ("
+            f"  SELECT id, ordering_key FROM {self.qualified} WHERE status = 'done'"
+            f"  UNION ALL SELECT id, ordering_key FROM {self.outbox.done_table}) l"
+            " ON l.ordering_key = d.ordering_key AND l.id > d.id"
             " WHERE d.id = ANY ($1::bigint[]) GROUP BY d.id"
         )
 
@@ -177,6 +189,17 @@ class AdminQueries:
         )
 
     @property
+    def purge_ring(self) -> str:
+        # $1 age seconds, $2 batch size: finished events of the ring, row by row (the
+        # operator's purge; consumers' retention TRUNCATEs whole slots)
+        ring = self.outbox.done_table
+        return (
+            f"DELETE FROM {ring} WHERE id = ANY (ARRAY("
+            f" SELECT id FROM {ring}"
+            "  WHERE finished_at < now() - make_interval(secs => $1::float8) LIMIT $2))"
+        )
+
+    @property
     def delete_dead(self) -> str:
         # $1 ids or NULL, $2 topic or NULL, $3 age in seconds or NULL, $4 the most rows
         # to delete or NULL: one row (deleted ids, keys promoted, keys skipped). The keys
@@ -190,7 +213,9 @@ class AdminQueries:
     @property
     def event_statuses(self) -> str:
         # $1 ids: the status of those that exist (to say why a named id was not acted on)
-        return f"SELECT id, status::text FROM {self.qualified} WHERE id = ANY ($1::bigint[])"
+        return (
+            f"SELECT id, status::text FROM {self.outbox.all_events} WHERE id = ANY ($1::bigint[])"
+        )
 
     @property
     def unconsumed_topics(self) -> str:

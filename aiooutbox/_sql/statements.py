@@ -125,6 +125,16 @@ class Queries(MarkStatements, MonitoringStatements):
         return f'"{self.schema}"."{self.table}_idle"'
 
     @property
+    def done_table(self) -> str:
+        # finished events, in slots that retention empties with TRUNCATE (0022)
+        return f'"{self.schema}"."{self.table}_done"'
+
+    @property
+    def all_events(self) -> str:
+        # the view of the outbox and its finished events together (0022)
+        return f'"{self.schema}"."{self.table}_all"'
+
+    @property
     def versions_table(self) -> str:
         return f'"{self.schema}"."{self.table}_migrations"'
 
@@ -440,6 +450,12 @@ class Queries(MarkStatements, MonitoringStatements):
     @property
     def purge_expired_idle(self) -> str:
         return f"DELETE FROM {self.idle_table} WHERE expires_at < now() - interval '1 minute'"
+
+    @property
+    def retire_done(self) -> str:
+        # $1 age seconds: empties the ring's slots whose every event is older (0022);
+        # returns (truncated slots, whether the current slot moved on)
+        return f"SELECT * FROM {self._function('retire_done')}($1::float8)"
 
     @property
     def purge_done(self) -> str:

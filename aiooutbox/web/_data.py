@@ -104,13 +104,15 @@ class Overview:
 async def done_sample(conn: Any, w: WebQueries) -> dict[str, Count]:
     """``done`` rows by topic from a random sample of about `SAMPLE_PAGES` pages
     (every page of a small table: then the numbers are exact)."""
-    pages = await conn.fetchval(w.pages, w.outbox.qualified)
-    percent = sample_percent(pages)
-    rows = await conn.fetch(w.sample, percent, float(int(time.time() // 600)))
-    scale = 100.0 / percent
-    if percent >= 100.0:
-        return {t: exact(n) for t, n in rows}
-    return {t: estimated(n * scale) for t, n in rows}
+    found: dict[str, Count] = {}
+    for table, sql in ((w.outbox.qualified, w.sample), (w.outbox.done_table, w.ring_sample)):
+        percent = sample_percent(await conn.fetchval(w.pages, table))
+        rows = await conn.fetch(sql, percent, float(int(time.time() // 600)))
+        scale = 100.0 / percent
+        for t, n in rows:
+            part = exact(n) if percent >= 100.0 else estimated(n * scale)
+            found[t] = found[t] + part if t in found else part
+    return found
 
 
 class PastHours:

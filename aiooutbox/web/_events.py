@@ -65,7 +65,7 @@ async def count_matching(conn: Any, w: WebQueries, f: EventFilter) -> Count:
 
 
 async def event_page(conn: Any, w: WebQueries, f: EventFilter, *, size: int = PAGE) -> EventPage:
-    newest = await conn.fetchval(f"SELECT max(id) FROM {w.t}")
+    newest = await conn.fetchval(f"SELECT max(id) FROM {w.events}")
     window = None
     floor = None
     if not f.indexed and newest is not None:

@@ -33,6 +33,11 @@ class WebQueries:
         return self.outbox.qualified
 
     @property
+    def events(self) -> str:
+        # what the event pages read: the outbox and its finished events (0022)
+        return self.outbox.all_events
+
+    @property
     def audit_table(self) -> str:
         return f'"{self.outbox.schema}"."{self.outbox.table}_audit"'
 
@@ -74,8 +79,21 @@ class WebQueries:
         )
 
     @property
+    def ring_sample(self) -> str:
+        # `sample` of the ring of finished events (0022): every row there is done
+        return (
+            f"SELECT topic, count(*) FROM {self.outbox.done_table}"
+            " TABLESAMPLE SYSTEM ($1::float4) REPEATABLE ($2::float8) GROUP BY topic"
+        )
+
+    @property
     def pages(self) -> str:
-        return "SELECT relpages::float8 FROM pg_catalog.pg_class WHERE oid = $1::regclass"
+        # of a table, or of every partition of one
+        return (
+            "SELECT coalesce(sum(c.relpages), 0)::float8 FROM pg_catalog.pg_class c"
+            " JOIN pg_catalog.pg_partition_tree($1::regclass) t ON c.oid = t.relid"
+            " WHERE c.relpages > 0"
+        )
 
     # the backlog, exact: each count reads one partial index, index-only (the page
     # caches them with the pulse: they are read again only after a write, and at most
@@ -217,17 +235,20 @@ class WebQueries:
     def event_list(self, where: str, limit: int) -> str:
         # `where` is built by `_filters` from fixed fragments with bind parameters only;
         # ``$limit`` is the page size
-        return f"SELECT {self._COLUMNS} FROM {self.t} WHERE {where} ORDER BY id DESC LIMIT ${limit}"
+        return (
+            f"SELECT {self._COLUMNS} FROM {self.events} WHERE {where}"
+            f" ORDER BY id DESC LIMIT ${limit}"
+        )
 
     def event_count(self, where: str, limit: int) -> str:
         # bounded by ``$limit``
-        return f"SELECT count(*) FROM (SELECT 1 FROM {self.t} WHERE {where} LIMIT ${limit}) s"
+        return f"SELECT count(*) FROM (SELECT 1 FROM {self.events} WHERE {where} LIMIT ${limit}) s"
 
     def event_ids(self, where: str) -> str:
         return f"SELECT id FROM {self.t} WHERE {where} ORDER BY id"
 
     def explain_count(self, where: str) -> str:
-        return f"EXPLAIN (FORMAT JSON) SELECT 1 FROM {self.t} WHERE {where}"
+        return f"EXPLAIN (FORMAT JSON) SELECT 1 FROM {self.events} WHERE {where}"
 
     @property
     def event(self) -> str:
@@ -236,7 +257,7 @@ class WebQueries:
             " max_attempts, created_at, available_at, updated_at, finished_at, locked_by,"
             " locked_at, lease_expires_at, last_error, payload::text, headers::text,"
             " message_id, blocks_key, failures::text AS failures"
-            f" FROM {self.t} WHERE id = $1"
+            f" FROM {self.events} WHERE id = $1"
         )
 
     @property

@@ -291,7 +291,7 @@ async def in_tasks(n: int, publish: Callable[[int], Awaitable[Any]]) -> None:
 
 
 async def reset(pool: asyncpg.Pool) -> None:
-    await pool.execute("TRUNCATE outbox_events")
+    await pool.execute("TRUNCATE outbox_events, outbox_events_done")
 
 
 def limit(client: float, claim_settle: float) -> float:

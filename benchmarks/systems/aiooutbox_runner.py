@@ -68,11 +68,12 @@ class System:
         conn = await self.connect()
         try:
             if self.history_max_id:
-                await conn.execute(
-                    f"DELETE FROM {self.q.qualified} WHERE id > $1", self.history_max_id
-                )
+                for table in (self.q.qualified, self.q.done_table):
+                    await conn.execute(f"DELETE FROM {table} WHERE id > $1", self.history_max_id)
             else:
-                await conn.execute(f"TRUNCATE {self.q.qualified} RESTART IDENTITY")
+                await conn.execute(
+                    f"TRUNCATE {self.q.qualified}, {self.q.done_table} RESTART IDENTITY"
+                )
             await conn.execute(f"TRUNCATE {self.q.idle_table}")
             await conn.execute(f"VACUUM (ANALYZE) {self.q.qualified}")
         finally:

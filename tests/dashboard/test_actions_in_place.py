@@ -77,7 +77,8 @@ async def test_each_action_returns_where_it_was_with_a_message(dsn: str, tmp_pat
             assert "no event selected" in await page.inner_text("#form-error")
             assert await page.input_value('input[name="topic"]') == "orders.paid"
             assert (
-                await conn.fetchval("SELECT count(*) FROM outbox_events WHERE status = 'dead'") == 2
+                await conn.fetchval("SELECT count(*) FROM outbox_events_all WHERE status = 'dead'")
+                == 2
             )
             # run now, from the scheduled list of a topic
             await page.goto(d.at("/events?topic=reports.build&status=scheduled"))
@@ -98,7 +99,7 @@ async def test_each_action_returns_where_it_was_with_a_message(dsn: str, tmp_pat
             assert await page.inner_text("#flash") == "Cancelled 2 waiting events."
             assert await page.inner_text("#matching") == "0"
             left = await conn.fetch(
-                "SELECT id, available_at <= now() AS due FROM outbox_events"
+                "SELECT id, available_at <= now() AS due FROM outbox_events_all"
                 " WHERE topic = 'reports.build'"
             )
             assert len(left) == 1 and left[0]["due"] and left[0]["id"] in later
@@ -171,7 +172,7 @@ async def test_run_now_and_cancel_with_ordering_keys(dsn: str) -> None:
             " WHERE id = $1",
             b[0],
         )
-        states = dict(await pool.fetch("SELECT id, status::text FROM outbox_events"))
+        states = dict(await pool.fetch("SELECT id, status::text FROM outbox_events_all"))
         assert [states[i] for i in a] == ["pending", "waiting", "waiting", "waiting"]
         consumer = aiooutbox.OutboxConsumer(pool, concurrency=4, poll_interval=0.2)
         async with running(consumer, {"ledger": handle}), dashboard(dsn) as d, browser_page() as w:
@@ -228,7 +229,9 @@ async def test_purging_dead_events_does_not_rewrite_the_failures_shown(dsn: str)
                 await aiooutbox.enqueue(pool, "payments", {"i": i})
 
             async def all_dead() -> bool:
-                n = await pool.fetchval("SELECT count(*) FROM outbox_events WHERE status = 'dead'")
+                n = await pool.fetchval(
+                    "SELECT count(*) FROM outbox_events_all WHERE status = 'dead'"
+                )
                 return bool(n == 4)
 
             await wait_until(all_dead)

@@ -74,7 +74,7 @@ async def populate(conn: asyncpg.Connection) -> None:
 async def sql_counts(conn: asyncpg.Connection) -> dict[tuple[str, str], int]:
     rows = await conn.fetch(
         "SELECT topic, CASE WHEN status = 'pending' AND available_at > now() THEN 'scheduled'"
-        " ELSE status::text END, count(*) FROM outbox_events GROUP BY 1, 2"
+        " ELSE status::text END, count(*) FROM outbox_events_all GROUP BY 1, 2"
     )
     return {(r[0], r[1]): r[2] for r in rows}
 
@@ -128,7 +128,7 @@ async def test_every_page_renders_and_shows_the_sql_counts(dsn: str, tmp_path: P
             await page.click('form.filter button[type="submit"]')
             await page.wait_for_url(re.compile(r"payload="))
             ids = await conn.fetch(
-                "SELECT id FROM outbox_events WHERE topic = 'orders.created'"
+                "SELECT id FROM outbox_events_all WHERE topic = 'orders.created'"
                 ' AND payload @> \'{"customer": "c-1"}\' ORDER BY id DESC'
             )
             rows = page.locator("table.events tbody tr")
@@ -154,7 +154,7 @@ async def test_every_page_renders_and_shows_the_sql_counts(dsn: str, tmp_path: P
             assert await key_row.count() == 1
             assert "2" in await key_row.locator("td:nth-child(7)").inner_text()
             blocked = await conn.fetchval(
-                "SELECT count(*) FROM outbox_events WHERE status = 'dead' AND blocks_key"
+                "SELECT count(*) FROM outbox_events_all WHERE status = 'dead' AND blocks_key"
             )
             assert await page.inner_text("#keys-count") == (
                 f"{blocked} blocked key(s), exact; the waiting counts are exact below 50,000"
@@ -201,7 +201,7 @@ async def test_retrying_a_dead_event_in_the_ui_makes_it_run(dsn: str, tmp_path: 
             async def status() -> str:
                 return str(
                     await pool.fetchval(
-                        "SELECT status::text FROM outbox_events WHERE id = $1", event_id
+                        "SELECT status::text FROM outbox_events_all WHERE id = $1", event_id
                     )
                 )
 
@@ -264,7 +264,7 @@ async def test_bulk_retry_by_filter_in_the_browser(dsn: str) -> None:
             assert await w.page.input_value('input[name="error"]') == "odd"
             assert await w.page.inner_text("#matching") == "0"
         rows = await conn.fetch(
-            "SELECT topic, last_error, status::text FROM outbox_events ORDER BY id"
+            "SELECT topic, last_error, status::text FROM outbox_events_all ORDER BY id"
         )
         changed = [(r[0], r[1]) for r in rows if r[2] == "pending"]
         assert changed == [("a", "odd"), ("a", "odd")]

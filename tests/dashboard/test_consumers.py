@@ -38,7 +38,7 @@ async def test_a_running_consumer_its_leases_and_its_listener(dsn: str) -> None:
 
             async def held() -> bool:
                 n = await pool.fetchval(
-                    "SELECT count(*) FROM outbox_events WHERE status = 'processing'"
+                    "SELECT count(*) FROM outbox_events_all WHERE status = 'processing'"
                 )
                 return bool(n == 2)
 

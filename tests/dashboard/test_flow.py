@@ -65,7 +65,7 @@ async def test_pause_resume_and_limit_a_topic_in_the_browser(dsn: str, tmp_path:
 
     async def status_of(ids: list[int]) -> set[str]:
         rows = await pool.fetch(
-            "SELECT status::text FROM outbox_events WHERE id = ANY ($1::bigint[])", ids
+            "SELECT status::text FROM outbox_events_all WHERE id = ANY ($1::bigint[])", ids
         )
         return {r[0] for r in rows}
 

@@ -24,7 +24,7 @@ async def test_the_topic_page_lists_the_busiest_and_most_waiting_groups(dsn: str
         await conn.execute(
             "UPDATE outbox_events SET status = 'processing', attempts = 1, locked_by = 'w',"
             " locked_at = now(), lease_expires_at = now() + interval '1 hour'"
-            " WHERE id = (SELECT min(id) FROM outbox_events WHERE grp = 'small')"
+            " WHERE id = (SELECT min(id) FROM outbox_events_all WHERE grp = 'small')"
         )
     finally:
         await conn.close()

@@ -97,7 +97,7 @@ async def populate(conn: asyncpg.Connection) -> int:
         "INSERT INTO outbox_events_audit (actor, action, target, affected) VALUES"
         " ('anonymous at 127.0.0.1', 'topic pause', '{\"topic\": \"emails.send\"}', 1)"
     )
-    return int(await conn.fetchval("SELECT max(id) FROM outbox_events"))
+    return int(await conn.fetchval("SELECT max(id) FROM outbox_events_all"))
 
 
 @pytest.mark.parametrize("width", [1440, 1280])

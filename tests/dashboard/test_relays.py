@@ -95,7 +95,7 @@ async def test_the_relays_table_shows_each_relays_destination_and_lag(dsn: str) 
 
 async def _relayed(pool: asyncpg.Pool, n: int) -> bool:
     done = await pool.fetchval(
-        "SELECT count(*) FROM outbox_events WHERE topic = $1 AND status = 'done'", FLOWING
+        "SELECT count(*) FROM outbox_events_all WHERE topic = $1 AND status = 'done'", FLOWING
     )
     return bool(done == n)
 
@@ -111,7 +111,7 @@ async def _relay_rows(pool: asyncpg.Pool) -> dict[str, list[str] | None]:
 async def _lag(pool: asyncpg.Pool) -> float:
     """Seconds since the oldest due event of the relays' topics became available."""
     value = await pool.fetchval(
-        "SELECT extract(epoch FROM (now() - min(available_at)))::float8 FROM outbox_events"
+        "SELECT extract(epoch FROM (now() - min(available_at)))::float8 FROM outbox_events_all"
         " WHERE status IN ('pending', 'retry') AND available_at <= now()"
     )
     assert value is not None

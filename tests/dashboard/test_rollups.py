@@ -77,7 +77,8 @@ async def test_failures_are_kept_with_the_event_and_counted_per_minute(dsn: str)
         history: dict[int | None, tuple[Any, str]] = {
             r["id"]: (json.loads(r["failures"]) if r["failures"] else None, r["status"])
             for r in await pool.fetch(
-                "SELECT id, failures::text AS failures, status::text AS status FROM outbox_events"
+                "SELECT id, failures::text AS failures, status::text AS status"
+                " FROM outbox_events_all"
             )
         }
         # the success path wrote no history
@@ -118,7 +119,9 @@ async def test_lease_recovery_adds_the_attempt_cut_short_and_the_history_is_boun
             )
             await pool.fetch("SELECT * FROM outbox_events_requeue_v5(NULL, '{}', 10, 'gone')")
         entries = json.loads(
-            await pool.fetchval("SELECT failures::text FROM outbox_events WHERE id = $1", event_id)
+            await pool.fetchval(
+                "SELECT failures::text FROM outbox_events_all WHERE id = $1", event_id
+            )
         )
         assert [e["attempt"] for e in entries] == list(range(3, 13))  # the last ten
         assert {e["worker"] for e in entries} == {"gone-worker"}
@@ -141,7 +144,9 @@ async def test_lease_recovery_adds_the_attempt_cut_short_and_the_history_is_boun
         counted = await minutes(pool)
         assert counted["crashy"]["retried"] == 1 and counted["crashy"]["done"] == 1
         entries = json.loads(
-            await pool.fetchval("SELECT failures::text FROM outbox_events WHERE id = $1", event_id)
+            await pool.fetchval(
+                "SELECT failures::text FROM outbox_events_all WHERE id = $1", event_id
+            )
         )
         assert len(entries) == 10 and entries[-1]["attempt"] == 13
         assert entries[-1]["error"].startswith("lease expired")

@@ -38,7 +38,7 @@ async def dead_events(dsn: str, n: int, topic: str = "emails.send") -> list[int]
 async def statuses(dsn: str) -> dict[str, int]:
     conn = await asyncpg.connect(dsn)
     try:
-        rows = await conn.fetch("SELECT status::text, count(*) FROM outbox_events GROUP BY 1")
+        rows = await conn.fetch("SELECT status::text, count(*) FROM outbox_events_all GROUP BY 1")
         return {r[0]: r[1] for r in rows}
     finally:
         await conn.close()
@@ -256,7 +256,7 @@ async def test_bulk_retry_by_filter_acts_on_the_confirmed_rows_only(dsn: str) ->
         assert r.status_code == 303
     conn = await asyncpg.connect(dsn)
     try:
-        rows = await conn.fetch("SELECT id, topic, status::text FROM outbox_events ORDER BY id")
+        rows = await conn.fetch("SELECT id, topic, status::text FROM outbox_events_all ORDER BY id")
     finally:
         await conn.close()
     by_id = {r["id"]: (r["topic"], r["status"]) for r in rows}

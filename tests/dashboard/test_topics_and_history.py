@@ -80,7 +80,9 @@ async def test_an_event_that_failed_twice_then_succeeded_shows_both_errors(
 
 
 async def _status(pool: asyncpg.Pool, event_id: int | None, status: str) -> bool:
-    found = await pool.fetchval("SELECT status::text FROM outbox_events WHERE id = $1", event_id)
+    found = await pool.fetchval(
+        "SELECT status::text FROM outbox_events_all WHERE id = $1", event_id
+    )
     return bool(found == status)
 
 

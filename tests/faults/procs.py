@@ -86,7 +86,7 @@ async def wait_until(
 
 
 async def status_counts(conn: asyncpg.Connection) -> dict[str, int]:
-    rows = await conn.fetch("SELECT status::text, count(*) FROM outbox_events GROUP BY 1")
+    rows = await conn.fetch("SELECT status::text, count(*) FROM outbox_events_all GROUP BY 1")
     return {r[0]: r[1] for r in rows}
 
 
@@ -114,7 +114,7 @@ async def check_outcome(conn: asyncpg.Connection) -> dict[str, int]:
     rows = await conn.fetch(
         "SELECT e.id, e.status::text, e.attempts, count(h.event_id) AS runs,"
         " count(DISTINCT h.attempt) AS distinct_attempts"
-        " FROM outbox_events e LEFT JOIN handled h ON h.event_id = e.id"
+        " FROM outbox_events_all e LEFT JOIN handled h ON h.event_id = e.id"
         " GROUP BY e.id, e.status, e.attempts"
     )
     never = [r["id"] for r in rows if r["status"] == "done" and r["runs"] == 0]

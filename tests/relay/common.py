@@ -46,7 +46,7 @@ async def fill(
 
 
 async def counts(pool: asyncpg.Pool) -> dict[str, int]:
-    rows = await pool.fetch("SELECT status::text, count(*) FROM outbox_events GROUP BY 1")
+    rows = await pool.fetch("SELECT status::text, count(*) FROM outbox_events_all GROUP BY 1")
     return {r[0]: r[1] for r in rows}
 
 
@@ -63,7 +63,7 @@ async def wait_done(pool: asyncpg.Pool, total: int, timeout: float = 90) -> None
 
 
 async def message_ids(pool: asyncpg.Pool) -> set[str]:
-    return {r[0] for r in await pool.fetch("SELECT message_id::text FROM outbox_events")}
+    return {r[0] for r in await pool.fetch("SELECT message_id::text FROM outbox_events_all")}
 
 
 #: the events a relay's publish call takes, as ``python -m aiooutbox relay`` runs it
