@@ -114,7 +114,7 @@ BEGIN
             slot, id, topic, payload, headers, attempts, max_attempts, available_at,
             locked_by, locked_at, last_error, created_at, finished_at, message_id,
             ordering_key, failures, grp)
-        SELECT (SELECT r.slot FROM "{{schema}}"."{{table}}_done_ring" AS r),
+        SELECT (SELECT r.slot FROM "{{schema}}"."{{table}}_done_ring" AS r WHERE r.one),
                m.id, m.topic, m.payload, m.headers, m.attempts, m.max_attempts,
                m.available_at, m.locked_by, m.locked_at, m.last_error, m.created_at,
                now(), m.message_id, m.ordering_key, m.failures, m.grp

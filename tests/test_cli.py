@@ -334,5 +334,5 @@ async def test_demo_on_a_given_database(dsn: str, conn: asyncpg.Connection) -> N
     assert "webhooks.deliver" in result.out and "dead list --limit 5" in result.out
     assert "events/s" in result.err  # the progress line
     # its own table; the real outbox is untouched
-    assert await conn.fetchval("SELECT count(*) FROM aiooutbox_demo") == 400
+    assert await conn.fetchval("SELECT count(*) FROM aiooutbox_demo_all") == 400
     assert await status_counts(conn) == {"pending": 1}

@@ -200,7 +200,7 @@ async def test_consumer_role_runs_a_real_consumer(dsn: str, roles: Roles) -> Non
                 with pytest.raises(asyncpg.InsufficientPrivilegeError):
                     await aiooutbox.migrate(conn, schema="public", table="other_outbox")
             counts = dict(
-                await admin.fetch("SELECT status::text, count(*) FROM outbox_events GROUP BY 1")
+                await admin.fetch("SELECT status::text, count(*) FROM outbox_events_all GROUP BY 1")
             )
             # 20 + the recovered stale row + the probe; the old done row was purged
             assert counts == {"done": 22}
@@ -226,7 +226,7 @@ async def test_consumer_role_runs_a_real_consumer(dsn: str, roles: Roles) -> Non
             assert await aiooutbox.admin.dead_purge(pool, ids=[dead[1]]) == 1
             assert await aiooutbox.admin.purge(pool, older_than=0) == 22
             counts = dict(
-                await admin.fetch("SELECT status::text, count(*) FROM outbox_events GROUP BY 1")
+                await admin.fetch("SELECT status::text, count(*) FROM outbox_events_all GROUP BY 1")
             )
             assert counts == {"pending": 1}
     finally:

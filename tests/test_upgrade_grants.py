@@ -23,7 +23,7 @@ import pytest
 import aiooutbox
 from aiooutbox._sql.db import PermanentDatabaseError
 from tests.clirunner import cli
-from tests.helpers import running, status_counts, wait_until
+from tests.helpers import running, wait_until
 from tests.test_roles import as_user, documented_grants
 
 PREVIOUS = "ab0edab"
@@ -128,7 +128,7 @@ async def test_a_consumer_with_the_previous_grants_says_which_grant_is_missing(
     async with asyncpg.create_pool(as_user(dsn, role), min_size=1, max_size=4) as pool:
         consumer = aiooutbox.OutboxConsumer(pool, poll_interval=0.1)
         async with consumer, running(consumer, {"t": handle}):
-            await wait_until(lambda: _done(pool, 1), timeout=20)
+            await wait_until(lambda: _settled(pool), timeout=20)
     assert len(seen) == 1
 
 
@@ -136,8 +136,11 @@ async def _nothing(event: aiooutbox.Event) -> None:
     pass
 
 
-async def _done(pool: asyncpg.Pool, n: int) -> bool:
-    return (await status_counts(pool)).get("done", 0) == n
+async def _settled(pool: asyncpg.Pool) -> bool:
+    # with the previous release's grants the role reads the outbox table only: its
+    # finished events have left it for the ring (0022), which it may not read
+    left = await pool.fetchval("SELECT count(*) FROM outbox_events WHERE status <> 'done'")
+    return bool(left == 0)
 
 
 async def test_a_producer_with_the_previous_grants_still_enqueues(
@@ -187,7 +190,7 @@ async def test_a_consumer_without_the_registry_grant_runs_unregistered_and_names
     async with asyncpg.create_pool(as_user(dsn, role), min_size=1, max_size=4) as pool:
         consumer = aiooutbox.OutboxConsumer(pool, poll_interval=0.1, lease_timeout=3.0)
         async with running(consumer, {"t": _nothing}):
-            await wait_until(lambda: _done(pool, 1), timeout=20)
+            await wait_until(lambda: _settled(pool), timeout=20)
             await asyncio.sleep(1.5)  # a heartbeat: it does not try (and warn) again
     warned = [r.getMessage() for r in caplog.records if "unregistered" in r.getMessage()]
     assert len(warned) == 1 and grant in warned[0] and "\n" not in warned[0], warned

@@ -91,8 +91,8 @@ class AdminQueries:
         # of a table or of every partition of one
         return (
             "SELECT coalesce(sum(pg_catalog.pg_relation_size(t.relid)), 0)::float8"
-            " / current_setting('block_size')::float8"
-            " FROM pg_catalog.pg_partition_tree($1::regclass) AS t"
+            " / current_setting('block_size')::float8 FROM (SELECT $1::regclass AS relid"
+            " UNION SELECT p.relid FROM pg_catalog.pg_partition_tree($1::regclass) AS p) AS t"
         )
 
     def explain_rows(self, ring: bool) -> str:

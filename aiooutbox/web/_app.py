@@ -88,6 +88,15 @@ class Guard:
             if started:
                 raise
             # never Starlette's bare 500 (it carries none of our headers)
+            if isinstance(exc, asyncpg.InsufficientPrivilegeError):  # a grant is missing
+                logger.warning("dashboard request refused by the database: %s", exc)
+                await _plain(
+                    send,
+                    503,
+                    f"this dashboard's database role lacks a privilege ({exc}): grant it"
+                    " what docs/guarantees.md lists for the viewer role\n",
+                )
+                return
             if isinstance(exc, asyncpg.DataError):  # a value the database refused
                 logger.info("dashboard request refused by the database: %s", exc)
                 await _plain(send, 400, f"the database refused a value of this request: {exc}\n")

@@ -87,6 +87,7 @@ class Overview:
     flow_unreadable: str | None = None  # why the flow columns are missing
     registry_unreadable: str | None = None  # why concurrency, host and heartbeat are missing
     rollups_unreadable: str | None = None  # why the numbers over time are missing
+    ring_unreadable: str | None = None  # why `done` leaves out the ring's events
 
     @property
     def unconsumed(self) -> list[TopicRow]:
@@ -101,18 +102,28 @@ class Overview:
         return [f for _, f in self.hourly]
 
 
-async def done_sample(conn: Any, w: WebQueries) -> dict[str, Count]:
-    """``done`` rows by topic from a random sample of about `SAMPLE_PAGES` pages
-    (every page of a small table: then the numbers are exact)."""
+async def done_sample(conn: Any, w: WebQueries) -> tuple[dict[str, Count], str | None]:
+    """``done`` rows by topic from a random sample of about `SAMPLE_PAGES` pages of the
+    outbox and of its ring (every page of a small table: then the numbers are exact),
+    and why the ring's are left out, if they are (a role without the grant)."""
     found: dict[str, Count] = {}
+    unreadable = None
     for table, sql in ((w.outbox.qualified, w.sample), (w.outbox.done_table, w.ring_sample)):
-        percent = sample_percent(await conn.fetchval(w.pages, table))
-        rows = await conn.fetch(sql, percent, float(int(time.time() // 600)))
+        try:
+            async with conn.transaction():  # a refusal must not abort the caller's
+                percent = sample_percent(await conn.fetchval(w.pages, table))
+                rows = await conn.fetch(sql, percent, float(int(time.time() // 600)))
+        except asyncpg.InsufficientPrivilegeError:
+            unreadable = (
+                f"this dashboard's database role may not read {w.outbox.table}_done, where"
+                " finished events go: GRANT SELECT on it to count them"
+            )
+            continue
         scale = 100.0 / percent
         for t, n in rows:
             part = exact(n) if percent >= 100.0 else estimated(n * scale)
             found[t] = found[t] + part if t in found else part
-    return found
+    return found, unreadable
 
 
 class PastHours:
@@ -144,7 +155,8 @@ async def overview(conn: Any, w: WebQueries, past: PastHours | None = None) -> O
         return topics.setdefault(name, TopicRow(name))
 
     # 1. `done` from the page sample
-    for topic, n in (await done_sample(conn, w)).items():
+    done, ring_unreadable = await done_sample(conn, w)
+    for topic, n in done.items():
         row(topic).done = n
     # 2. running and waiting: exact below the bound (processing rows are few; waiting
     # ones are read through the key index)
@@ -207,6 +219,7 @@ async def overview(conn: Any, w: WebQueries, past: PastHours | None = None) -> O
         o.extra_columns = list(FLOW_COLUMNS)
     o.all_paused, o.flow_unreadable = all_paused, flow_unreadable
     o.rollups_unreadable = rollups_unreadable
+    o.ring_unreadable = ring_unreadable
     return o
 
 
@@ -241,6 +254,7 @@ def with_backlog(o: Overview, backlog: Backlog) -> Overview:
     merged.backlog = backlog
     merged.extra_columns, merged.all_paused = o.extra_columns, o.all_paused
     merged.flow_unreadable, merged.rollups_unreadable = o.flow_unreadable, o.rollups_unreadable
+    merged.ring_unreadable = o.ring_unreadable
     return merged
 
 

@@ -91,8 +91,8 @@ class WebQueries:
         # of a table, or of every partition of one
         return (
             "SELECT coalesce(sum(c.relpages), 0)::float8 FROM pg_catalog.pg_class c"
-            " JOIN pg_catalog.pg_partition_tree($1::regclass) t ON c.oid = t.relid"
-            " WHERE c.relpages > 0"
+            " WHERE c.relpages > 0 AND (c.oid = $1::regclass OR c.oid IN"
+            " (SELECT p.relid FROM pg_catalog.pg_partition_tree($1::regclass) AS p))"
         )
 
     # the backlog, exact: each count reads one partial index, index-only (the page
