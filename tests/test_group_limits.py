@@ -23,7 +23,7 @@ FQ = flow_queries()
 # the most handler runs of the group overlapping at any instant; a run cut short by a
 # SIGKILL ends when its process died ($2)
 GROUP_OVERLAP = """
-WITH r AS (SELECT r.* FROM runs r JOIN outbox_events e ON e.id = r.event_id WHERE e.grp = $1),
+WITH r AS (SELECT r.* FROM runs r JOIN outbox_events_all e ON e.id = r.event_id WHERE e.grp = $1),
 e AS (SELECT started AS at, 1 AS d FROM r UNION ALL SELECT coalesce(ended, $2), -1 FROM r)
 SELECT coalesce(max(n), 0) FROM (SELECT sum(d) OVER (ORDER BY at, d) AS n FROM e) AS s
 """
@@ -216,7 +216,7 @@ async def test_group_max_running_across_three_processes_with_a_sigkill(
             await p.stop()
     overlaps = {g: await conn.fetchval(GROUP_OVERLAP, g, killed) for g in ("ga", "gb")}
     after = await conn.fetchval(
-        "SELECT count(*) FROM runs r JOIN outbox_events e ON e.id = r.event_id"
+        "SELECT count(*) FROM runs r JOIN outbox_events_all e ON e.id = r.event_id"
         " WHERE e.topic = 'lim' AND r.started > $1 AND r.started < $2",
         resumed,
         end,

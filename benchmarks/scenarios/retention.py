@@ -52,12 +52,16 @@ class Sizes:
 async def sizes(system: Any) -> dict[str, int]:
     conn = await system.connect()
     try:
+        # the outbox and the ring of finished events (migration 0022), together
         row = await conn.fetchrow(
-            "SELECT pg_relation_size($1::regclass) AS heap,"
-            " pg_indexes_size($1::regclass) AS indexes,"
-            " pg_total_relation_size($1::regclass) AS total,"
-            " (SELECT count(*) FROM " + system.q.qualified + ") AS live_rows",
+            "SELECT sum(pg_relation_size(r))::bigint AS heap,"
+            " sum(pg_indexes_size(r))::bigint AS indexes,"
+            " sum(pg_total_relation_size(r))::bigint AS total,"
+            " (SELECT count(*) FROM " + system.q.all_events + ") AS live_rows"
+            " FROM (SELECT $1::regclass AS r UNION ALL"
+            "  SELECT relid FROM pg_partition_tree($2::regclass) WHERE isleaf) AS t",
             system.q.qualified,
+            system.q.done_table,
         )
     finally:
         await conn.close()

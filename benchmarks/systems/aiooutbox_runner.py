@@ -197,7 +197,8 @@ class System:
         conn = await self.connect()
         try:
             rows = await conn.fetch(
-                f"SELECT status::text, count(*) FROM {self.q.qualified} WHERE id > $1 GROUP BY 1",
+                # finished events are in the ring (migration 0022): read both
+                f"SELECT status::text, count(*) FROM {self.q.all_events} WHERE id > $1 GROUP BY 1",
                 self.history_max_id,
             )
         finally:
