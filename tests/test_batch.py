@@ -4,6 +4,7 @@ the concurrency cap, the timeout, a trickle and a linger, and bad registrations.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -66,6 +67,37 @@ async def test_none_settles_every_event_of_each_call_done(pool: asyncpg.Pool) ->
     assert max(len(call) for call in calls) > 1  # events came together, not one by one
     assert set((await rows(pool)).values()) == {("done", 1, None)}
     assert consumer.stats.done == 250 and consumer.stats.in_flight == 0
+
+
+async def test_a_batch_gets_whole_ordinary_events(pool: asyncpg.Pool) -> None:
+    # the engine builds a batch's events slot by slot: every field set, each an Event
+    await aiooutbox.enqueue_many(
+        pool,
+        [
+            aiooutbox.NewEvent(
+                "t", {"n": 1}, dedupe_key="d1", headers={"h": "v"}, max_attempts=3, group="g"
+            ),
+            aiooutbox.NewEvent("t", {"n": 2}, ordering_key="k"),
+        ],
+    )
+    got: list[aiooutbox.Event] = []
+
+    async def handle(events: list[aiooutbox.Event]) -> None:
+        got.extend(events)
+
+    consumer = consumer_of(pool)
+    async with consumer, running(consumer, {"t": Handler(handle, batch=10)}):
+        await wait_until(finished(pool, 2))
+    names = {f.name for f in dataclasses.fields(aiooutbox.Event)}
+    for event in got:
+        assert type(event) is aiooutbox.Event
+        assert set(dataclasses.asdict(event)) == names  # an unset field would raise
+        assert event == dataclasses.replace(event)  # equal to an Event built as usual
+        assert event.attempts == 1 and not event.redelivered and event.message_id
+        assert event.created_at is not None and event.created_at.tzinfo is not None
+    one, two = sorted(got, key=lambda e: e.payload["n"])
+    assert (one.topic, one.dedupe_key, one.headers, one.max_attempts) == ("t", "d1", {"h": "v"}, 3)
+    assert (one.ordering_key, one.group, two.ordering_key, two.headers) == (None, "g", "k", {})
 
 
 async def test_router_batch_registers_a_batch_handler(pool: asyncpg.Pool) -> None:

@@ -29,7 +29,7 @@ from .handoff import Handoff, Run, runs_of
 from .leases import Leases
 from .listener import Listener
 from .options import ConsumerOptions
-from .rows import ClaimedRow, ConsumerStats
+from .rows import ClaimedRow, ConsumerStats, getter
 from .settler import Settler
 from .signals import Signals, wait_any, wait_for
 
@@ -55,6 +55,7 @@ _RUN_ROWS_PER_HEAD = 2
 # the claim's connection is kept from one claim to the next (see `HeldConnection`), and
 # given back when the loop goes idle or waits this long for free slots
 _HOLD_IDLE = 0.05
+_IS_HEAD = getter("is_head")
 
 
 class Dispatcher:
@@ -184,7 +185,7 @@ class Dispatcher:
                 idle = False
                 await self._declare(busy=True)
             # full: the heads (runs ride along beyond them) took every row asked for
-            full = sum(r.is_head for r in rows) >= min(want, self.window.size)
+            full = sum(map(_IS_HEAD, rows)) >= min(want, self.window.size)
             if self._flow.more:  # a limited topic gave all its share: it may have more
                 self._flow.more = False
                 full = True

@@ -14,11 +14,12 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Generic, TypeVar
 
-from .rows import ClaimedRow
+from .rows import ClaimedRow, getter
 
 __all__ = ["Handoff", "Run", "Ticket", "Unit", "runs_of"]
 
 T = TypeVar("T")
+_KEY = getter("ordering_key")
 
 
 class Ticket:
@@ -39,6 +40,8 @@ def runs_of(rows: list[ClaimedRow]) -> list[Unit]:
     """Claimed rows as units of work: an unordered row as itself (no list per event: a
     drain hands out tens of thousands a second), an ordered key's head followed by the
     waiting events claimed behind it, in id order, as a list."""
+    if list(map(_KEY, rows)).count(None) == len(rows):  # none is ordered: in C
+        return list(rows)
     runs: list[Unit] = []
     keyed: dict[str, list[ClaimedRow]] | None = None
     for row in rows:

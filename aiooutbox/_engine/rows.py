@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from operator import itemgetter
 from typing import Any, NamedTuple
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "aware",
     "epoch_seconds",
     "from_epoch",
+    "getter",
 ]
 
 _MIN = datetime.min.replace(tzinfo=UTC)
@@ -135,6 +137,12 @@ class ClaimedRow(NamedTuple):
     def size(self) -> int:
         """Characters of payload text: what decoding it costs."""
         return len(self.payload)
+
+
+def getter(name: str) -> Callable[[ClaimedRow], Any]:
+    """A getter of a `ClaimedRow` field made in C (`operator.itemgetter`): a claim's or a
+    batch's rows are looked over with ``map`` rather than row by row."""
+    return itemgetter(ClaimedRow._fields.index(name))
 
 
 @dataclass

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import random
 from collections.abc import Callable, Iterable, Iterator
+from itertools import compress
 
 import anyio
 import asyncpg
@@ -29,7 +30,7 @@ from .._sql.db import (
 from .._sql.statements import Queries
 from .._values.text import describe_exception, exception_message, exception_summary
 from .rollups import Tallies
-from .rows import ClaimedRow, Outcome, Settlement
+from .rows import ClaimedRow, Outcome, Settlement, getter
 from .settlements import Pending as _Batch
 from .settlements import done_statement, failed_statement, outcome_statements
 
@@ -43,6 +44,7 @@ _PLACEHOLDER = "(the error text of this attempt could not be stored: {})"
 # the connection is kept from one flush to the next, and given back once no outcome
 # came for this long (a drain flushes every few milliseconds)
 _HOLD_IDLE = _PROMOTE_RETRY
+_ID, _ATTEMPTS, _REDELIVERED = map(getter, ("id", "attempts", "redelivered"))
 
 
 class Settler:
@@ -108,14 +110,20 @@ class Settler:
 
     def done_all(self, rows: Iterable[ClaimedRow]) -> None:
         """`done` of each of ``rows`` (a batch handler's events, of one topic) in one call."""
-        done, count, topic = self._pending.done, 0, None
-        for count, row in enumerate(rows, 1):  # noqa: B007 - the count is used after
-            done[row.attempts].append(row.id)
-            topic = row.topic
-        if topic is not None:
-            self.tallies.done[topic] += count
+        rows = rows if isinstance(rows, list) else list(rows)
+        count = len(rows)
+        if not count:
+            return
+        done = self._pending.done
+        attempts = set(map(_ATTEMPTS, rows))
+        if len(attempts) == 1:  # the usual case: in C, not row by row
+            done[attempts.pop()].extend(map(_ID, rows))
+        else:
+            for row in rows:
+                done[row.attempts].append(row.id)
+        self.tallies.done[rows[-1].topic] += count
         self._pending.size += count
-        if count and (self._pending.size == count or self._pending.size >= self._flush_size):
+        if self._pending.size == count or self._pending.size >= self._flush_size:
             self._has_work.set()
 
     def record(self, settlement: Settlement) -> None:
@@ -160,7 +168,12 @@ class Settler:
         returns those that must not start (usually none, and at once)."""
         if not self.stale_possible():
             return []
-        again = [(r.id, r.attempts) for r in rows if r.claimed_before()]
+        said = list(map(_REDELIVERED, rows))  # the claim says (None: `claimed_before`)
+        again = (
+            [(r.id, r.attempts) for r in compress(rows, said)]
+            if None not in said
+            else [(r.id, r.attempts) for r in rows if r.claimed_before()]
+        )
         unsure = self.drop_stale(again) if again else set()
         return [r for r in rows if r.id in unsure] if unsure else []
 
