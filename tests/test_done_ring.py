@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 
 import asyncpg
 import pytest
@@ -235,3 +236,63 @@ async def test_purge_deletes_finished_events_of_the_ring_and_the_outbox(pool: as
     assert await admin.purge(pool, older_than=86400, batch_size=2) == 4
     left = await pool.fetch("SELECT id FROM outbox_events_all ORDER BY id")
     assert [r[0] for r in left] == ids[3:]
+
+
+async def test_the_dashboard_shows_finished_events_of_the_ring(pool: asyncpg.Pool) -> None:
+    httpx = pytest.importorskip("httpx")
+    from aiooutbox.web import create_app
+
+    event_id = await aiooutbox.enqueue(pool, "t", {"note": "<script>alert(1)</script>\u00e9"})
+    assert event_id is not None
+    await _claim(pool, [event_id])
+    await _settle(pool, [event_id])
+    app = create_app(pool=pool, read_only=True)
+    try:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            page = await client.get(f"/events/{event_id}")
+            listed = await client.get("/events", params={"status": "done"})
+            overview = await client.get("/")
+    finally:
+        await app.state.dashboard.aclose()
+    assert page.status_code == 200, page.text
+    assert "<script>alert" not in page.text and "&lt;script&gt;" in page.text
+    assert "done" in page.text
+    assert listed.status_code == 200 and f"/events/{event_id}" in listed.text
+    assert overview.status_code == 200 and "ring-unreadable" not in overview.text
+
+
+async def test_a_viewer_without_the_ring_grant_sees_the_overview_and_is_told(
+    pool: asyncpg.Pool, dsn: str
+) -> None:
+    httpx = pytest.importorskip("httpx")
+    from aiooutbox.web import create_app
+    from tests.test_roles import as_user
+
+    role = f"aiooutbox_noring_{uuid.uuid4().hex[:10]}"
+    await pool.execute(f'CREATE ROLE "{role}" LOGIN')
+    try:
+        await pool.execute(f'GRANT USAGE ON SCHEMA public TO "{role}"')
+        await pool.execute(
+            "GRANT SELECT ON outbox_events, outbox_events_idle, outbox_events_audit,"
+            " outbox_events_migrations, outbox_events_migrations_compat, outbox_events_flow,"
+            f' outbox_events_consumers, outbox_events_rollups TO "{role}"'
+        )
+        await _settle_one(pool)
+        viewer = await asyncpg.create_pool(as_user(dsn, role), min_size=1, max_size=2)
+        app = create_app(pool=viewer, read_only=True)
+        try:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                overview = await client.get("/")
+                events = await client.get("/events")
+        finally:
+            await app.state.dashboard.aclose()
+            await viewer.close()
+    finally:
+        await pool.execute(f'DROP OWNED BY "{role}"')
+        await pool.execute(f'DROP ROLE IF EXISTS "{role}"')
+    assert overview.status_code == 200, overview.text
+    assert 'id="ring-unreadable"' in overview.text and "outbox_events_done" in overview.text
+    # a page that needs the ring says which grant is missing, not a bare 500
+    assert events.status_code == 503 and "outbox_events_all" in events.text, events.text
