@@ -35,6 +35,7 @@ from aiooutbox.relay import (
     RedisSink,
     Sink,
     WebhookSink,
+    _amqp,
 )
 from aiooutbox.relay._batch import Window
 from tests.clirunner import clean_env, cli
@@ -438,14 +439,16 @@ async def test_redis_failed_and_refused_events_among_good_ones_only_they_repeat(
         broker.destroy()
 
 
-@pytest.mark.parametrize("broker", ["nats", "redis", "kafka"])
+@pytest.mark.parametrize("broker", ["nats", "redis", "kafka", "rabbitmq"])
 @needs("tansu")
 async def test_order_per_key_across_batches(
     pool: asyncpg.Pool, nc: Any, kafka: Tansu, broker: str
 ) -> None:
     """4 keys x 120 events through batches of 16: every key's run spans many batches,
     and a batch holds several events of a key (published one after another); each
-    key's events are in the broker in commit order."""
+    key's events are in the broker in commit order (into RabbitMQ too, whose sink
+    publishes over several channels in turn: a key's event goes out only once the one
+    before it is confirmed, whichever channel took it)."""
     keys, per_key, topic = 4, 120, unique("relay.across.")
     events = [
         aiooutbox.NewEvent(topic, {"key": k, "seq": seq}, ordering_key=f"k{k}")
@@ -456,7 +459,15 @@ async def test_order_per_key_across_batches(
         await aiooutbox.enqueue_many(conn, events)
     js = nc.jetstream()
     sink: Sink
-    if broker == "nats":
+    amqp: Any = None
+    if broker == "rabbitmq":  # the default exchange routes the topic to its queue
+        import aio_pika
+
+        amqp = await aio_pika.connect(AMQP_URL)
+        await (await amqp.channel()).declare_queue(topic)
+        sink = RabbitMQSink(AMQP_URL)
+        assert sink_channels(sink) is None  # opened at start
+    elif broker == "nats":
         await nats_stream(js, topic.replace(".", "_"), [topic], "memory")
         sink = NatsSink(NATS_URL)
     elif broker == "redis":
@@ -468,7 +479,12 @@ async def test_order_per_key_across_batches(
     try:
         async with relaying(pool, sink, batch=16, concurrency=64):
             await settled_all(pool, keys * per_key)
-        if broker == "nats":
+            if broker == "rabbitmq":
+                assert sink_channels(sink) == _amqp.CHANNELS > 1
+        if broker == "rabbitmq":
+            found = await rabbit_read(AMQP_URL, topic, keys * per_key)
+            payloads = [json.loads(m.body) for m in found]
+        elif broker == "nats":
             payloads = [
                 json.loads(m.data) for m in await nats_read(js, topic.replace(".", "_"), topic)
             ]
@@ -485,6 +501,10 @@ async def test_order_per_key_across_batches(
     finally:
         if broker == "nats":
             await js.delete_stream(topic.replace(".", "_"))
+        if amqp is not None:
+            queue = await (await amqp.channel()).get_queue(topic)
+            await queue.delete(if_unused=False, if_empty=False)
+            await amqp.close()
     assert len(payloads) == keys * per_key
     seen: dict[int, list[int]] = {}
     for p in payloads:  # Kafka: a key's records are in one partition, read in offset order
@@ -492,6 +512,12 @@ async def test_order_per_key_across_batches(
     assert all(seqs == list(range(per_key)) for seqs in seen.values()), seen
     # the waves: calls of fewer events than their batch, a key's next event in the next
     assert len(calls.calls) > keys * per_key / 16, calls.calls
+
+
+def sink_channels(sink: Sink) -> int | None:
+    """How many open channels a RabbitMQ sink publishes on (None: none yet)."""
+    channels = cast(RabbitMQSink, sink)._channels
+    return sum(not c.is_closed for c in channels) or None
 
 
 async def settled_all(pool: asyncpg.Pool, total: int, within: float = 60) -> None:

@@ -1,9 +1,10 @@
 """`RabbitMQSink`: publish with publisher confirms, persistent and mandatory.
 
 Each message is persistent (delivery mode 2) with ``message_id`` = the event's
-``message_id``, published ``mandatory`` on a confirming channel: the call returns only
-once the broker acked it, and a message no queue is bound for comes back and sends its
-event to ``dead`` at once (`Unroutable` as the cause) instead of being dropped.
+``message_id``, published ``mandatory`` on one of the sink's confirming channels
+(`CHANNELS`, taken in turn): the call returns only once the broker acked it, and a
+message no queue is bound for comes back and sends its event to ``dead`` at once
+(`Unroutable` as the cause) instead of being dropped.
 RabbitMQ does not dedupe, so a repeat after a crash or a lost connection is delivered
 twice: downstream consumers dedupe on ``message_id``.
 """
@@ -22,6 +23,12 @@ __all__ = ["Nacked", "RabbitMQSink", "Unroutable"]
 
 #: AMQP's short strings (routing keys, the ``type`` property) hold at most 255 bytes
 MAX_SHORT_STRING = 255
+#: confirming channels a sink publishes on, in turn. A channel takes one publish per
+#: event-loop pass (aiormq hands its lock from one publish to the next), so one channel
+#: alone queued a batch's publishes behind each other for hundreds of ms on a busy loop;
+#: a key's next event is published only once the previous one is confirmed, so its order
+#: does not depend on the channel
+CHANNELS = 8
 #: what RabbitMQ says when it closes the channel for a message over max_message_size
 _TOO_LARGE = re.compile(r"message size (\d+) is larger than configured max size (\d+)")
 
@@ -90,7 +97,9 @@ class RabbitMQSink(Sink):
         self.url = url
         self.exchange_name = exchange
         self._connection: Any = None
-        self._exchange: Any = None
+        #: the confirming channels publishes take in turn (`CHANNELS`)
+        self._channels: list[Any] = []
+        self._turn = 0
         errors = self._aiormq.exceptions
         self._outages: tuple[type[BaseException], ...] = (
             errors.AMQPConnectionError,
@@ -119,11 +128,11 @@ class RabbitMQSink(Sink):
         self._connection = await self._pika.connect_robust(
             self.url, timeout=self.connect_timeout, reconnect_interval=1
         )
-        channel = await self._connection.channel(publisher_confirms=True, on_return_raises=True)
-        if self.exchange_name:
-            self._exchange = await channel.get_exchange(self.exchange_name, ensure=True)
-        else:
-            self._exchange = channel.default_exchange
+        for _ in range(CHANNELS):
+            channel = await self._connection.channel(publisher_confirms=True, on_return_raises=True)
+            self._channels.append(channel)
+        if self.exchange_name:  # it must exist: checked once (a passive declare)
+            await self._channels[0].get_exchange(self.exchange_name, ensure=True)
 
     async def _close(self) -> None:
         if self._connection is not None:
@@ -169,12 +178,24 @@ class RabbitMQSink(Sink):
             # a short string: a longer topic travels only in the outbox-topic header
             type=topic if len(topic) < 64 or len(topic.encode()) <= MAX_SHORT_STRING else None,
         )
+        chosen = self._channels[self._turn]
+        self._turn = (self._turn + 1) % len(self._channels)
         try:
-            await self._exchange.publish(
-                amqp,
+            if chosen.is_closed:
+                raise self._aiormq.exceptions.ChannelInvalidStateError(f"{chosen!r} closed")
+            channel = await chosen.get_underlay_channel()  # waits for a reconnection
+            # aiormq's call under aio-pika's publish, without waiting for the writer to
+            # send the frames (``wait=False``; aio-pika's waits, holding the channel's
+            # lock meanwhile): the next publish has the lock without waiting for the
+            # writer; the confirm is awaited all the same
+            await channel.basic_publish(
+                amqp.body,
+                exchange=self.exchange_name,
                 routing_key=message.destination,
+                properties=amqp.properties,
                 mandatory=True,
                 timeout=self.publish_timeout,
+                wait=False,
             )
         except self._returned as exc:
             delivery = getattr(getattr(exc, "message", None), "delivery", None)

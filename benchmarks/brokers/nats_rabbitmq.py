@@ -13,7 +13,9 @@ against one of a topic list, and the latency from commit to broker ack.
   no topic filter) over the same with the topics listed.
 - **latency**: commit (from the start of the committing ``enqueue_many``) → broker
   ack (the relay's batch handler returned), p50/p99, at a steady offered load (2k
-  events/s), the relay at its defaults, for JetStream, RabbitMQ, Kafka and Redis.
+  events/s), the relay at its defaults, for JetStream, RabbitMQ, Kafka and Redis; and,
+  as its reference, RabbitMQ's own client at the same rate (``client_latency``:
+  aio-pika's confirming publishes, each tick's messages at once, no database).
 
 The machine's NATS (JetStream) at 127.0.0.1:4222 and RabbitMQ at 127.0.0.1:5672.
 """
@@ -21,6 +23,7 @@ The machine's NATS (JetStream) at 127.0.0.1:4222 and RabbitMQ at 127.0.0.1:5672.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from datetime import UTC, datetime
 from typing import Any, cast
@@ -31,7 +34,7 @@ import aiooutbox
 from aiooutbox.relay import NatsSink, RabbitMQSink, Sink
 from aiooutbox.relay._message import payload_body
 
-from ..harness.stats import median, ratio
+from ..harness.stats import median, ratio, summarize_ms
 from .bare import (
     IN_FLIGHT,
     KEYS,
@@ -210,9 +213,63 @@ async def latency(pool: asyncpg.Pool, rate: float, seconds: float, log: Log) -> 
         for name, sink in sinks.items():
             async with sink:
                 out[name] = await timed_latency(pool, sink, rate, seconds, name, log)
+        out["clients"] = {"rabbitmq": await client_latency(queue, rate, seconds, log)}
     finally:
         await js.delete_stream(stream)
         await nc.close()
         await q.delete(if_unused=False, if_empty=False)
         await connection.close()
     return out
+
+
+async def client_latency(queue: str, rate: float, seconds: float, log: Log) -> dict[str, Any]:
+    """RabbitMQ's own client at the relay's steady rate, its reference: every 10 ms the
+    messages due by then (the relay's bodies and headers, persistent, ``mandatory``)
+    published at once with aio-pika's ``publish`` on a confirming channel; the latency
+    of each from its tick to its confirm, and the rate offered."""
+    import aio_pika
+
+    total = int(rate * seconds)
+    messages = Messages(total)
+    created = datetime.now(UTC)
+    latencies: list[float] = []
+    connection = await aio_pika.connect(AMQP_URL)
+    try:
+        channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+
+        async def publish(i: int, due: float) -> None:
+            topic, payload, message_id, _ = messages.rows[i]
+            message = aio_pika.Message(
+                payload_body(payload),
+                headers=cast(Any, messages.headers(i)),
+                content_type="application/json",
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                message_id=message_id,
+                timestamp=created,
+                type=topic,
+            )
+            await channel.default_exchange.publish(message, routing_key=queue, mandatory=True)
+            latencies.append(time.perf_counter() - due)
+
+        pending: set[asyncio.Task[None]] = set()
+        sent, started = 0, time.perf_counter()
+        while sent < total:
+            due = min(total, int((time.perf_counter() - started) * rate) + 1)
+            now = time.perf_counter()
+            for i in range(sent, due):
+                task = asyncio.ensure_future(publish(i, now))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+            sent = due
+            await asyncio.sleep(0.01)
+        offered = total / (time.perf_counter() - started)
+        if pending:
+            await asyncio.gather(*pending)
+    finally:
+        await connection.close()
+    summary = summarize_ms(latencies)
+    log(
+        f"  latency of RabbitMQ's own client at {offered:,.0f}/s: "
+        f"p50 {summary['p50']:.1f} ms, p99 {summary['p99']:.1f} ms"
+    )
+    return {"rate": rate, "offered_per_s": round(offered), "seconds": seconds, **summary}

@@ -124,10 +124,19 @@ def section(results: dict[str, Any]) -> list[str]:
         "",
         f'All-topics claim (`"*"`) / topic-list claim drain rate: {fmt(star["ratio"], 2)}.',
     ]
+    clients = lat.get("clients", {})
     for name, row in lat.items() if "rate" not in lat else [("jetstream", lat)]:
+        if name == "clients":
+            continue
         lines.append(
             f"Commit → {name} ack at a steady {fmt(row.get('offered_per_s', row['rate']))}"
             f" events/s: p50 {fmt(row['p50'], 1)} ms, p99 {fmt(row['p99'], 1)} ms."
+        )
+    for name, row in clients.items():
+        lines.append(
+            f"{name}'s own client at {fmt(row['offered_per_s'])} events/s (its confirming "
+            f"publishes as they are due, no database): p50 {fmt(row['p50'], 1)} ms, "
+            f"p99 {fmt(row['p99'], 1)} ms."
         )
     return lines
 
