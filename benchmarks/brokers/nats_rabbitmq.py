@@ -127,16 +127,7 @@ async def rabbitmq(
     created = datetime.now(UTC)
 
     async def publish_of(m: Messages, i: int) -> None:
-        topic, payload, message_id, _ = m.rows[i]
-        message = aio_pika.Message(
-            payload_body(payload),
-            headers=cast(Any, m.headers(i)),
-            content_type="application/json",
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            message_id=message_id,
-            timestamp=created,
-            type=topic,
-        )
+        message = _amqp_message(m, i, created)
         await channel.default_exchange.publish(message, routing_key=queue, mandatory=True)
 
     async def tasks() -> None:
@@ -222,6 +213,22 @@ async def latency(pool: asyncpg.Pool, rate: float, seconds: float, log: Log) -> 
     return out
 
 
+def _amqp_message(m: Messages, i: int, created: datetime) -> Any:
+    """Message ``i`` as the relay sends it: its body and headers, persistent."""
+    import aio_pika
+
+    topic, payload, message_id, _ = m.rows[i]
+    return aio_pika.Message(
+        payload_body(payload),
+        headers=cast(Any, m.headers(i)),
+        content_type="application/json",
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        message_id=message_id,
+        timestamp=created,
+        type=topic,
+    )
+
+
 async def client_latency(queue: str, rate: float, seconds: float, log: Log) -> dict[str, Any]:
     """RabbitMQ's own client at the relay's steady rate, its reference: every 10 ms the
     messages due by then (the relay's bodies and headers, persistent, ``mandatory``)
@@ -238,16 +245,7 @@ async def client_latency(queue: str, rate: float, seconds: float, log: Log) -> d
         channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
 
         async def publish(i: int, due: float) -> None:
-            topic, payload, message_id, _ = messages.rows[i]
-            message = aio_pika.Message(
-                payload_body(payload),
-                headers=cast(Any, messages.headers(i)),
-                content_type="application/json",
-                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                message_id=message_id,
-                timestamp=created,
-                type=topic,
-            )
+            message = _amqp_message(messages, i, created)
             await channel.default_exchange.publish(message, routing_key=queue, mandatory=True)
             latencies.append(time.perf_counter() - due)
 
