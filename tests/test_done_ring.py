@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 import uuid
 
@@ -21,7 +22,9 @@ from tests.helpers import running, truthy, wait_until
 RETIRE = "SELECT * FROM outbox_events_retire_done($1::float8)"
 
 
-async def _claim(pool: asyncpg.Pool, ids: list[int], worker: str = "w") -> None:
+async def _claim(
+    pool: asyncpg.Pool | asyncpg.Connection, ids: list[int], worker: str = "w"
+) -> None:
     await pool.execute(
         "UPDATE outbox_events SET status = 'processing', locked_by = $2, attempts = 1,"
         " locked_at = now(), lease_expires_at = now() + interval '1 minute'"
@@ -35,6 +38,11 @@ async def _settle(pool: asyncpg.Pool, ids: list[int], worker: str = "w") -> int:
     row = await pool.fetchrow("SELECT * FROM outbox_events_settle_done_v5($1, $2, 1)", ids, worker)
     assert row is not None
     return int(row["settled"])
+
+
+async def _events(pool: asyncpg.Pool | asyncpg.Connection, n: int) -> list[int]:
+    ids = await aiooutbox.enqueue_many(pool, [aiooutbox.NewEvent("t", i) for i in range(n)])
+    return [i for i in ids if i is not None]
 
 
 async def _slots(pool: asyncpg.Pool) -> dict[int, int]:
@@ -87,9 +95,9 @@ async def test_a_settled_event_moves_to_the_ring_and_a_keyed_one_stays(
 
 
 async def test_a_stale_settlement_moves_nothing(pool: asyncpg.Pool) -> None:
-    ids = await aiooutbox.enqueue_many(pool, [aiooutbox.NewEvent("t", i) for i in range(3)])
-    await _claim(pool, list(ids), worker="owner")
-    assert await _settle(pool, list(ids), worker="someone-else") == 0
+    ids = await _events(pool, 3)
+    await _claim(pool, ids, worker="owner")
+    assert await _settle(pool, ids, worker="someone-else") == 0
     rows = await pool.fetch("SELECT status::text FROM outbox_events")
     assert [r[0] for r in rows] == ["processing"] * 3
     assert await pool.fetchval("SELECT count(*) FROM outbox_events_done") == 0
@@ -106,7 +114,7 @@ async def test_retention_empties_a_slot_only_once_every_event_in_it_is_past_it(
     pool: asyncpg.Pool,
 ) -> None:
     age = 60.0
-    ids = list(await aiooutbox.enqueue_many(pool, [aiooutbox.NewEvent("t", i) for i in range(6)]))
+    ids = await _events(pool, 6)
     await _claim(pool, ids)
     await _settle(pool, ids[:3])  # into slot 0
     await _backdate(pool)
@@ -144,7 +152,7 @@ async def _settle_one(pool: asyncpg.Pool) -> int:
 
 
 async def test_a_reader_holding_a_slot_delays_only_that_slot(pool: asyncpg.Pool, dsn: str) -> None:
-    ids = list(await aiooutbox.enqueue_many(pool, [aiooutbox.NewEvent("t", i) for i in range(4)]))
+    ids = await _events(pool, 4)
     await _claim(pool, ids)
     await _settle(pool, ids[:2])  # slot 0
     await pool.execute("UPDATE outbox_events_done_ring SET slot = 1")
@@ -222,7 +230,7 @@ async def test_a_consumer_drains_once_while_slots_rotate_and_are_emptied(
 
 
 async def test_purge_deletes_finished_events_of_the_ring_and_the_outbox(pool: asyncpg.Pool) -> None:
-    ids = list(await aiooutbox.enqueue_many(pool, [aiooutbox.NewEvent("t", i) for i in range(5)]))
+    ids = await _events(pool, 5)
     keyed = await aiooutbox.enqueue(pool, "t", {}, dedupe_key="k")
     assert keyed is not None
     await _claim(pool, [*ids, keyed])
@@ -296,3 +304,30 @@ async def test_a_viewer_without_the_ring_grant_sees_the_overview_and_is_told(
     assert 'id="ring-unreadable"' in overview.text and "outbox_events_done" in overview.text
     # a page that needs the ring says which grant is missing, not a bare 500
     assert events.status_code == 503 and "outbox_events_all" in events.text, events.text
+
+
+async def test_the_settlement_finds_its_rows_through_the_primary_key(
+    conn: asyncpg.Connection,
+) -> None:
+    """The generic plan of a table analyzed while nearly empty (a healthy outbox) must
+    not answer "no dedupe key" from the dedupe index, whose entries for dead versions a
+    pinned horizon keeps: the rows come through the primary key, whatever is dead."""
+    from aiooutbox._sql.plans import nested_plans
+    from aiooutbox._sql.statements import queries
+
+    await conn.execute("ANALYZE outbox_events")  # empty: reltuples 0
+    # dead versions of keyless events, as a pinned horizon keeps them (no vacuum)
+    await conn.execute(
+        "INSERT INTO outbox_events (topic, payload) SELECT 't', '{}' FROM generate_series(1, 5000)"
+    )
+    await conn.execute("DELETE FROM outbox_events")
+    ids = await _events(conn, 20)
+    await _claim(conn, ids)
+    q = queries()
+    plans = await nested_plans(
+        conn, q, [("settle_done", q.settle_done, (ids, "w", 1))], analyze=True
+    )
+    plan = plans["settle_done"]
+    assert "Index Scan using outbox_events_pkey on outbox_events e" in plan, plan
+    assert "dedupe_key_idx" not in plan, plan
+    assert re.search(r"Delete on outbox_events e .*rows=20 loops=1\)", plan), plan
