@@ -29,6 +29,9 @@ DEFAULT_OUT = Path("benchmarks/results")
 #: the flags (by their dest) that set a Config field of another name or as they are
 FIELDS = {
     "retention_rows": "retention_rows",
+    "history_rows": "history_rows",
+    "history_layouts": "history_layouts",
+    "history_rounds": "history_rounds",
     "upgrade_rows": "upgrade_rows",
     "steady_fractions": "steady_fractions",
     "steady_rates": "steady_rates",
@@ -134,6 +137,25 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="events per drain with and without a dashboard (default 200000)",
     )
     parser.add_argument(
+        "--history-rows",
+        type=int,
+        metavar="N",
+        help="finished events beside the history scenario's drains (default 1000000)",
+    )
+    parser.add_argument(
+        "--history-rounds",
+        type=int,
+        metavar="N",
+        help="rotated rounds of the history scenario's drains (default 3)",
+    )
+    parser.add_argument(
+        "--history-layouts",
+        nargs="+",
+        choices=["ring", "in-place"],
+        help="where the history scenario's history is: in the ring of finished events,"
+        " done rows in the outbox (default: both)",
+    )
+    parser.add_argument(
         "--retention-rows",
         type=int,
         metavar="N",
@@ -167,6 +189,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{flag.replace('_', '-')} must be positive")
     if args.references_rounds is not None and args.references_rounds < 1:
         parser.error("--references-rounds must be at least 1")
+    for flag in ("history_rows", "history_rounds"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     if args.retention_rows is not None and args.retention_rows < 1:
         parser.error("--retention-rows must be at least 1")
     if args.upgrade_rows is not None and args.upgrade_rows < 1:

@@ -50,8 +50,12 @@ async def test_drain_and_history_scenarios_run_at_tiny_sizes(
     assert positive(loaded["drain"]["summary"]["200"]["defaults_ratio"])
     assert "aiooutbox_defaults" not in loaded["drain"]["summary"]["400"]
 
-    # history: the claim stays on the partial index with done rows in the table
+    # history: the claim stays on the partial index with a history in the ring and in
+    # the outbox, and the drains left it whole (none retired or purged)
     history = loaded["history"]
+    assert set(history["summary"]["layouts"]) == {"ring", "in-place"}
+    for layout in history["summary"]["layouts"].values():
+        assert layout["left"] == history["rows"] and positive(layout["ratio"])
     assert history["explain"]["uses_index"], history["explain"]["generic_plan"]
     assert "outbox_events_topic_claimable_idx" in history["explain"]["generic_plan"]
     assert positive(history["summary"]["ratio"])
@@ -399,6 +403,12 @@ def test_cli_parses_the_documented_command() -> None:
     assert args.only == ["references", "tax"]
     config = config_from(parse(["--dsn", "x", "--only", "retention", "--retention-rows", "5"]))
     assert config.scenarios == ["retention"] and config.retention_rows == 5
+    argv = ["--dsn", "x", "--only", "history", "--history-rows", "9", "--history-rounds", "5"]
+    config = config_from(parse([*argv, "--history-layouts", "ring"]))
+    assert (config.history_rows, config.history_rounds) == (9, 5)
+    assert list(config.history_layouts) == ["ring"]
+    with pytest.raises(SystemExit):
+        parse(["--dsn", "x", "--history-layouts", "elsewhere"])
     config = config_from(parse(["--dsn", "x", "--only", "upgrade", "--upgrade-rows", "7"]))
     assert config.scenarios == ["upgrade"] and config.upgrade_rows == 7
     with pytest.raises(SystemExit):

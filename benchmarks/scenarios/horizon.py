@@ -119,14 +119,52 @@ def medians(runs: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
     for i in range(min((len(p) for p in mine), default=0)):
         at = [p[i] for p in mine]
         row: dict[str, Any] = {"minute": at[0]["minute"]}
-        for key in ("p50", "p99", "handled", "backlog", "dead", "bytes", "index_bytes", "loadavg"):
+        for key in (
+            "p50",
+            "p99",
+            "max",
+            "handled",
+            "backlog",
+            "dead",
+            "bytes",
+            "index_bytes",
+            "loadavg",
+        ):
             row[key] = median([a[key] for a in at if a.get(key) is not None])
         row["relations"] = {
             name: median([a["relations"].get(name, {}).get("bytes") or 0 for a in at])
             for name in at[-1]["relations"]
         }
+        for part, total in (("hot", "bytes"), ("ring", "bytes"), ("hot", "dead"), ("ring", "dead")):
+            key = f"{part}_{total}"
+            row[key] = median(
+                [v for a in at if (v := grouped(a["relations"], total)[part]) is not None]
+            )
         rows.append(row)
     return rows
+
+
+#: the ring of finished events (migration 0022): ``<table>_done`` and its partitions
+RING = "outbox_events_done"
+
+
+def grouped(rels: dict[str, dict[str, Any]], key: str) -> dict[str, int | None]:
+    """``key`` (``bytes`` or ``dead``) summed over the hot table (``outbox_events``), the
+    ring (``outbox_events_done`` and its slots ``_0`` to ``_7``; the one-row
+    ``outbox_events_done_ring`` counts as other) and the other outbox relations; None
+    when a relation's size could not be read."""
+    out: dict[str, int | None] = {"hot": 0, "ring": 0, "other": 0}
+    for name, rel in rels.items():
+        part = (
+            "hot"
+            if name == "outbox_events"
+            else "ring"
+            if re.fullmatch(rf"{RING}(_\d+)?", name)
+            else "other"
+        )
+        value, have = rel.get(key), out[part]
+        out[part] = None if value is None or have is None else have + value
+    return out
 
 
 async def run(bench: Bench) -> None:
@@ -273,25 +311,21 @@ def retention_section(results: dict[str, Any]) -> list[str]:
         + ".",
     ]
     for mode in ("free", "pinned"):
-        rows = soak["medians"][mode]
-        big = sorted(
-            name for name, size in (rows[-1]["relations"] if rows else {}).items() if size >= 2**20
-        )
-        names = " | ".join(f"`{n}` MB" for n in big)
         out += [
             "",
             f"### {mode}",
             "",
-            f"| hour | real min | total MB | indexes MB | {names}{' | ' if big else ''}"
-            "dead versions | backlog | p99 ms |",
-            "|---:|---:|---:|---:|" + "---:|" * len(big) + "---:|---:|---:|",
+            "| hour | real min | total MB | indexes MB | hot table MB | ring MB |"
+            " dead versions (hot / ring) | backlog | p99 ms | max ms |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
-        for i, row in enumerate(rows):
-            cells = "".join(f" {_mb(row['relations'].get(n))} |" for n in big)
+        for i, row in enumerate(soak["medians"][mode]):
             out.append(
                 f"| {i + 1} | {row['minute']:g} | {_mb(row['bytes'])} |"
-                f" {_mb(row.get('index_bytes'))} |{cells}"
-                f" {fmt(row['dead'])} | {fmt(row['backlog'])} | {fmt(row['p99'], 1)} |"
+                f" {_mb(row.get('index_bytes'))} | {_mb(row.get('hot_bytes'))} |"
+                f" {_mb(row.get('ring_bytes'))} | {fmt(row['dead'])}"
+                f" ({fmt(row.get('hot_dead'))} / {fmt(row.get('ring_dead'))}) |"
+                f" {fmt(row['backlog'])} | {fmt(row['p99'], 1)} | {fmt(row.get('max'), 1)} |"
             )
     out += _run_lines(soak)
     for mode in ("free", "pinned"):

@@ -75,7 +75,7 @@ class System:
                     f"TRUNCATE {self.q.qualified}, {self.q.done_table} RESTART IDENTITY"
                 )
             await conn.execute(f"TRUNCATE {self.q.idle_table}")
-            await conn.execute(f"VACUUM (ANALYZE) {self.q.qualified}")
+            await conn.execute(f"VACUUM (ANALYZE) {self.q.qualified}, {self.q.done_table}")
         finally:
             await conn.close()
 
@@ -160,8 +160,12 @@ class System:
         `counts` and `finished` count only the rows added after."""
         conn = await self.connect()
         try:
+            # the outbox's rows and the finished ones in its ring (0022)
             self.history_max_id = int(
-                await conn.fetchval(f"SELECT coalesce(max(id), 0) FROM {self.q.qualified}")
+                await conn.fetchval(
+                    f"SELECT greatest((SELECT max(id) FROM {self.q.qualified}),"
+                    f" (SELECT max(id) FROM {self.q.done_table}), 0)"
+                )
             )
         finally:
             await conn.close()
@@ -197,7 +201,7 @@ class System:
         conn = await self.connect()
         try:
             rows = await conn.fetch(
-                # finished events are in the ring (migration 0022): read both
+                # the view: a finished event without a dedupe key is in the ring (0022)
                 f"SELECT status::text, count(*) FROM {self.q.all_events} WHERE id > $1 GROUP BY 1",
                 self.history_max_id,
             )
