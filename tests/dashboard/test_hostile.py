@@ -97,7 +97,27 @@ async def plant(conn: asyncpg.Connection) -> list[int]:
             " 5, 1, 1, 5, 5, 2)",
             text,
         )
-        ids += [dead, held]
+        # a finished event, settled as a consumer settles it: it leaves the outbox table
+        # for the ring of finished events (migration 0022), which the event pages read too
+        [[finished]] = await insert_unchecked(
+            conn,
+            "INSERT INTO outbox_events (topic, payload, headers, ordering_key, status, attempts,"
+            " locked_by, locked_at, lease_expires_at, last_error, grp) VALUES ($1, $2::jsonb,"
+            " $3::jsonb, $4, 'processing', 1, 'w', now(), now() + interval '1 hour', $5, $1)"
+            " RETURNING id",
+            text,
+            json.dumps(payload),
+            json.dumps(headers),
+            f"{text}#done",
+            f"Traceback: {text}",
+        )
+        await conn.execute(
+            "SELECT * FROM outbox_events_settle_done_v5(ARRAY[$1::bigint], 'w', 1)", finished
+        )
+        assert await conn.fetchval(
+            "SELECT count(*) FROM outbox_events_done WHERE id = $1", finished
+        )
+        ids += [dead, held, finished]
     for name in AWKWARD:
         await conn.execute(
             "INSERT INTO outbox_events (topic, payload, available_at)"
@@ -195,6 +215,12 @@ async def test_hostile_text_renders_as_text_everywhere(dsn: str, tmp_path: Path)
             # (in full, under the timeline: one click away, so read as the DOM has it)
             assert HOSTILE[0] in (await w.page.text_content("#last-error") or "")
             assert HOSTILE[0] in await w.page.inner_text("#headers")
+            # the same for a finished event, read from the ring
+            await w.page.goto(base.rstrip("/") + f"/events/{ids[2]}")
+            await check(w, base)
+            assert HOSTILE[0] in await w.page.inner_text("#payload")
+            assert HOSTILE[0] in await w.page.inner_text("#headers")
+            assert HOSTILE[0] in (await w.page.text_content("#last-error") or "")
             await w.page.goto(base.rstrip("/") + "/consumers")
             workers = await w.page.inner_text("table.workers")
             for i, text in enumerate(HOSTILE):
@@ -205,7 +231,7 @@ async def test_hostile_text_renders_as_text_everywhere(dsn: str, tmp_path: Path)
                 assert f"relay redis:{text} @h:1:{i}" in shown, shown
             await w.page.goto(base.rstrip("/") + "/events?" + urlencode({"topic": HOSTILE[1]}))
             assert await w.page.input_value('input[name="topic"]') == HOSTILE[1]
-            assert await w.page.inner_text("#matching") == "3"  # dead, waiting, processing
+            assert await w.page.inner_text("#matching") == "4"  # dead, waiting, processing, done
             # an action on a hostile filter: the audit shows it as text too
             await w.page.goto(base.rstrip("/") + "/dead?" + urlencode({"topic": HOSTILE[3]}))
             await w.page.click("#retry-matching")
