@@ -450,6 +450,7 @@ class BatchExecutor(Executor):
 async def batch_worker(handoff: BatchHandoff, executor: BatchExecutor, slots: Slots) -> None:
     """A worker of a consumer with batch handlers: a ticket makes a batch (which takes
     its slots); any other unit takes one slot while it runs."""
+    handoff.joins()
     take = handoff.take_nowait
     while True:
         if (run := take()) is None and (run := await handoff.get()) is None:

@@ -241,8 +241,8 @@ class Engine:
                     self.workers_scope = workers.cancel_scope
                     if self._in_a_hurry():
                         workers.cancel_scope.cancel()
-                    for _ in range(o.concurrency):
-                        workers.start_soon(work)
+                    # workers start as items find none waiting (`Handoff.staff`)
+                    handoff.staff(partial(workers.start_soon, work), o.concurrency)
                     try:
                         await dispatcher.run(handoff)
                     finally:
@@ -297,6 +297,7 @@ class Engine:
 
 
 async def _worker(handoff: Handoff[Run], executor: Executor) -> None:
+    handoff.joins()
     take, execute = handoff.take_nowait, executor.execute
     while True:
         # an item waiting is taken without a coroutine (the usual case in a drain: a
