@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from operator import itemgetter
@@ -116,9 +116,11 @@ class ClaimedRow(NamedTuple):
         return row
 
     @classmethod
-    def from_records(cls, records: Iterable[Iterable[Any]]) -> list[ClaimedRow]:
-        """`from_record` of each of a claim's records."""
-        return [_new_tuple(cls, record) for record in records]
+    def from_records(cls, records: Iterable[Sequence[Any]]) -> list[ClaimedRow]:
+        """`from_record` of each of a claim's records: a record's slice is a plain
+        tuple, which the row copies in C at half the cost of iterating the record."""
+        whole = slice(None)
+        return [_new_tuple(cls, record[whole]) for record in records]
 
     def claimed_before(self) -> bool:
         """True if this row may have been claimed before (and its lease recovered): its
