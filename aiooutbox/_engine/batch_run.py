@@ -33,7 +33,7 @@ from .batch_results import check_result, log_failures
 from .batches import BatchHandoff, Pool, Slots
 from .executor import _THREAD_DECODE_CHARS, Executor, _reason, describe
 from .handoff import Ticket
-from .rows import ClaimedRow, Outcome, Settlement, from_epoch
+from .rows import ClaimedRow, Outcome, Settlement, from_epoch, getter
 
 __all__ = ["BatchExecutor", "batch_worker"]
 
@@ -41,13 +41,14 @@ logger = logging.getLogger("aiooutbox.consumer")
 
 _SHOWN_IDS = 20  # event ids named in a log line about a batch
 _FAILED: Any = object()  # a payload that could not be decoded (its failure is recorded)
+_PAYLOAD = getter("payload")
 
 
 def _payloads(rows: list[ClaimedRow]) -> list[Any] | None:
     """Every row's payload decoded by the default decoder in one call (stored jsonb
     text is always valid JSON; one call costs a fraction of one per row); None when a
     payload is large enough for a thread, or the decoder refused the whole."""
-    texts = [row[2] for row in rows]
+    texts = list(map(_PAYLOAD, rows))
     if max(map(len, texts), default=0) > _THREAD_DECODE_CHARS:
         return None
     try:

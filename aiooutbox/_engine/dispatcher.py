@@ -13,6 +13,7 @@ import math
 import random
 import time
 from collections.abc import Callable
+from itertools import compress
 from typing import Any
 
 import anyio
@@ -56,6 +57,7 @@ _RUN_ROWS_PER_HEAD = 2
 # given back when the loop goes idle or waits this long for free slots
 _HOLD_IDLE = 0.05
 _IS_HEAD = getter("is_head")
+_GROUP = getter("group")
 
 
 class Dispatcher:
@@ -330,7 +332,7 @@ class Dispatcher:
             flow.opened(len(rows))
             ats = [r.available_at for r in rows] if topics is None else []  # its watermark
             window.claimed(ats, full=full and topics is None, started=started, ended=ended)
-            self.groups.served({r.group for r in rows if r.is_head})
+            self.groups.served(set(map(_GROUP, compress(rows, map(_IS_HEAD, rows)))))  # in C
         return taken + rows if taken else rows
 
     async def _claim_open(
