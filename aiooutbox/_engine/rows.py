@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from operator import itemgetter
@@ -116,11 +116,16 @@ class ClaimedRow(NamedTuple):
         return row
 
     @classmethod
-    def from_records(cls, records: Iterable[Sequence[Any]]) -> list[ClaimedRow]:
+    def from_records(cls, records: list[Any]) -> list[ClaimedRow]:
         """`from_record` of each of a claim's records: a record's slice is a plain
-        tuple, which the row copies in C at half the cost of iterating the record."""
+        tuple, which the row copies in C at half the cost of iterating the record.
+        ``records`` is emptied: asyncpg's reply holds the list until the connection's
+        next query, which kept a claim's records alive for the collector to carry
+        into its older generations."""
         whole = slice(None)
-        return [_new_tuple(cls, record[whole]) for record in records]
+        rows = [_new_tuple(cls, record[whole]) for record in records]
+        records.clear()
+        return rows
 
     def claimed_before(self) -> bool:
         """True if this row may have been claimed before (and its lease recovered): its
