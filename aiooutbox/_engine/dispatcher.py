@@ -29,7 +29,7 @@ from .groups import GROUPS_PER_CLAIM, PROBE_GROUPS, GroupCursor
 from .handoff import Handoff, Run, runs_of
 from .leases import Leases
 from .listener import Listener
-from .options import ConsumerOptions
+from .options import MAX_RUN, RUN_ROWS_PER_HEAD, ConsumerOptions
 from .rows import ClaimedRow, ConsumerStats, getter
 from .settler import Settler
 from .signals import Signals, wait_any, wait_for
@@ -45,14 +45,6 @@ _LINGER = (0.002, 0.004, 0.008, 0.016, 0.032)
 _RECHECK = (0.01, 1.0)
 # rows claimed ahead of the free workers: about this many seconds of work at the recent rate
 _AHEAD_FOR = 0.1
-# the most events of one ordered key a claim takes behind its head (and never more than
-# the claim asks for): one key's drain is a claim, a run and a settlement per run, so
-# longer runs pay those fewer times (20k events of one key: 7-9k/s with 256, 9-11k/s
-# with 1,024 at want 512; docs/benchmarks.md, "Migration 0008")
-_MAX_RUN = 1024
-# the run rows a claim may take in all, per head asked for (larger budgets made work
-# come out in bursts: docs/benchmarks.md, "Ordered delivery and topic isolation")
-_RUN_ROWS_PER_HEAD = 2
 # the claim's connection is kept from one claim to the next (see `HeldConnection`), and
 # given back when the loop goes idle or waits this long for free slots
 _HOLD_IDLE = 0.05
@@ -100,6 +92,7 @@ class Dispatcher:
         # restarted under a fixed worker_id may have left rows behind)
         self._reconcile = True
         self._warned_down: float | None = None  # the listener outage last warned about
+        self._claim_rows = 0  # the last claim's rows, its heads' runs included
 
     @property
     def _listening(self) -> bool:
@@ -138,7 +131,7 @@ class Dispatcher:
             else:
                 want = min(o.concurrency - s.in_flight, o.claim_size)
                 refill = max(1, o.claim_size // 4)
-            if self._settler.backlog > o.max_unwritten:
+            if self._settler.backlog > o.max_unwritten(self._claim_rows):
                 await self._conn.release()  # the settler may need one to catch up
                 await wait_for(self._settler.wait_flushed(), o.poll_interval)
                 continue
@@ -333,6 +326,7 @@ class Dispatcher:
             ats = [r.available_at for r in rows] if topics is None else []  # its watermark
             window.claimed(ats, full=full and topics is None, started=started, ended=ended)
             self.groups.served(set(map(_GROUP, compress(rows, map(_IS_HEAD, rows)))))  # in C
+        self._claim_rows = len(taken) + len(rows)
         return taken + rows if taken else rows
 
     async def _claim_open(
@@ -345,10 +339,10 @@ class Dispatcher:
             want,
             self._o.max_claim_bytes - used,  # the limited topics' rows took ``used``
             # an ordered key's events behind its head, run in order by one worker
-            min(want, _MAX_RUN),
+            min(want, MAX_RUN),
             # every run together: twice as many rows as heads (a run occupies one
             # worker, so runs add rows to a claim, not concurrency)
-            _RUN_ROWS_PER_HEAD * want,
+            RUN_ROWS_PER_HEAD * want,
         )
         if topics is not None:  # from each topic's low mark (`Marks`)
             sql, more, marked = self.marks.claim(self._q, topics, time.monotonic())

@@ -39,6 +39,14 @@ PREFETCH_TO = 512
 # that nothing will promote: an operator deleted the head in SQL, a promotion deferred
 # by a producer's lock outlived the consumer that was to retry it) and promotes them.
 DEFAULT_ORPHAN_SWEEP = 30.0
+# the most events of one ordered key a claim takes behind its head (and never more than
+# the claim asks for): one key's drain is a claim, a run and a settlement per run, so
+# longer runs pay those fewer times (20k events of one key: 7-9k/s with 256, 9-11k/s
+# with 1,024 at want 512; docs/benchmarks.md, "Migration 0008")
+MAX_RUN = 1024
+# the run rows a claim may take in all, per head asked for: an event a run leaves costs a
+# promotion more (an UPDATE); four took a 50k drain's 10k keys whole (docs/internals.md)
+RUN_ROWS_PER_HEAD = 4
 
 
 def _default_worker_id() -> str:
@@ -159,13 +167,14 @@ class ConsumerOptions:
             return self.prefetch
         return max(0, PREFETCH_TO - self.concurrency)
 
-    @property
-    def max_unwritten(self) -> int:
+    def max_unwritten(self, claim_rows: int) -> int:
         """Outcomes not yet written past which the consumer stops claiming: four claims'
-        worth. Four times `concurrency` paused the claims after every claim once a
-        consumer at the defaults held 512 rows (a 50k drain at the defaults: 24.9k/s
-        against 30.0k/s with this bound)."""
-        return 4 * (self.concurrency + self.ahead)
+        worth, a claim being ``concurrency + ahead`` rows or the last claim's rows, if more
+        (ordered heads bring their runs). Four times `concurrency` paused the claims after
+        every claim once a consumer at the defaults held 512 rows (a 50k drain at the
+        defaults: 24.9k/s against 30.0k/s with this bound); a bound that left runs out
+        paused a 50k drain over 10k keys after each claim (0.38 s of its 1.6 s)."""
+        return 4 * max(self.concurrency + self.ahead, claim_rows)
 
     @property
     def dense_claim_size(self) -> int:
