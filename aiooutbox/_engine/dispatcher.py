@@ -92,7 +92,7 @@ class Dispatcher:
         # restarted under a fixed worker_id may have left rows behind)
         self._reconcile = True
         self._warned_down: float | None = None  # the listener outage last warned about
-        self._claim_rows = 0  # the last claim's rows, its heads' runs included
+        self._claim_rows = 0  # rows of recent claims, their heads' runs included
 
     @property
     def _listening(self) -> bool:
@@ -326,7 +326,8 @@ class Dispatcher:
             ats = [r.available_at for r in rows] if topics is None else []  # its watermark
             window.claimed(ats, full=full and topics is None, started=started, ended=ended)
             self.groups.served(set(map(_GROUP, compress(rows, map(_IS_HEAD, rows)))))  # in C
-        self._claim_rows = len(taken) + len(rows)
+        # the largest recent claim (a small last one does not pause a big one's outcomes)
+        self._claim_rows = max(len(taken) + len(rows), self._claim_rows * 3 // 4)
         return taken + rows if taken else rows
 
     async def _claim_open(

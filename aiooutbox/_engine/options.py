@@ -169,7 +169,7 @@ class ConsumerOptions:
 
     def max_unwritten(self, claim_rows: int) -> int:
         """Outcomes not yet written past which the consumer stops claiming: four claims'
-        worth, a claim being ``concurrency + ahead`` rows or the last claim's rows, if more
+        worth, a claim being ``concurrency + ahead`` rows or a recent claim's rows, if more
         (ordered heads bring their runs). Four times `concurrency` paused the claims after
         every claim once a consumer at the defaults held 512 rows (a 50k drain at the
         defaults: 24.9k/s against 30.0k/s with this bound); a bound that left runs out
