@@ -341,7 +341,7 @@ class Dispatcher:
             self._o.max_claim_bytes - used,  # the limited topics' rows took ``used``
             # an ordered key's events behind its head, run in order by one worker
             min(want, MAX_RUN),
-            # every run together: twice as many rows as heads (a run occupies one
+            # every run together: four times as many rows as heads (a run occupies one
             # worker, so runs add rows to a claim, not concurrency)
             RUN_ROWS_PER_HEAD * want,
         )
