@@ -233,7 +233,17 @@ async def test_failover_to_a_promoted_standby(pair: ReplicaPair, app_db: str) ->
             await asyncio.gather(*tasks)
             new_primary = await asyncpg.connect(pair.standby_dsn(app_db))
             try:
-                drained = await wait_until(lambda: all_finished(new_primary), 60, "the drain")
+                try:
+                    drained = await wait_until(lambda: all_finished(new_primary), 60, "the drain")
+                except AssertionError as exc:  # say what is left and what the consumer holds
+                    left = await new_primary.fetch(
+                        "SELECT id, status::text, locked_by, attempts, lease_expires_at - now(),"
+                        " available_at - now() FROM outbox_events"
+                        " WHERE status NOT IN ('done', 'dead') ORDER BY id LIMIT 20"
+                    )
+                    raise AssertionError(
+                        f"{exc}: left {[tuple(r) for r in left]}; consumer {consumer.stats}"
+                    ) from None
                 rows = {
                     r[0]: r[1]
                     for r in await new_primary.fetch(
