@@ -415,6 +415,54 @@ def _async(predicate: Any) -> Any:
     return wrapped
 
 
+async def test_leases_behind_the_mark_are_recovered_on_a_server_that_started_since(
+    private_pg: PrivatePostgres, private_dsn: str
+) -> None:
+    """Lease recovery walks from a mark it keeps between runs; a row whose lease lies
+    behind the mark cannot appear on one server, but a promoted standby (a heartbeat that
+    never replicated) or a restored backup can hold one. After the server's start time
+    changes, the next run walks from the start and recovers it."""
+
+    async def handler(event: aiooutbox.Event) -> None:
+        pass
+
+    conn = await asyncpg.connect(private_dsn)
+    try:
+        async with asyncpg.create_pool(private_dsn, min_size=1, max_size=4) as pool:
+            consumer = aiooutbox.OutboxConsumer(
+                pool, concurrency=4, lease_timeout=2, statement_timeout=2, poll_interval=1
+            )
+            async with running(consumer, {"t": handler}) as task:
+                await asyncio.sleep(3)  # recovery runs (each ~1 s) have moved the mark
+                [event_id] = await aiooutbox.enqueue_many(
+                    conn, [aiooutbox.NewEvent("t", {"n": 1}, delay=3600)]
+                )
+                await conn.execute(
+                    "UPDATE outbox_events SET status = 'processing', locked_by = 'gone',"
+                    " attempts = 1, locked_at = now() - interval '1 hour',"
+                    " lease_expires_at = now() - interval '1 hour' WHERE id = $1",
+                    event_id,
+                )
+                await asyncio.sleep(3)
+                status = "SELECT status::text FROM outbox_events_all WHERE id = $1"
+                # the precondition: the mark has passed the row, so only the restart's
+                # walk from the start can find it
+                assert await conn.fetchval(status, event_id) == "processing"
+                await conn.close()
+                private_pg.restart()
+                restarted = time.monotonic()
+                conn = await asyncpg.connect(private_dsn)
+
+                async def recovered() -> bool:
+                    return bool(await conn.fetchval(status, event_id) != "processing")
+
+                await wait_until(recovered, 30, "the lease behind the mark to be recovered")
+                report("lease_behind_mark", recovered_after_restart_s=time.monotonic() - restarted)
+                assert not task.done()
+    finally:
+        await conn.close()
+
+
 async def test_after_a_restart_the_listener_is_back_before_the_consumer_idles(
     private_pg: PrivatePostgres, private_dsn: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -82,6 +82,7 @@ class Maintenance:
         self.sweeps = 0  # orphan sweeps completed
         # no row being processed has a lease before it (see `_recover`)
         self._lease_mark = datetime.min.replace(tzinfo=UTC)
+        self._server_started = self._lease_mark  # the start time of the mark's server
 
     async def heartbeat_loop(self) -> None:
         """Extend the leases of handlers that run longer than a sixth of the lease;
@@ -256,15 +257,18 @@ class Maintenance:
         processed that this consumer's last look found, never later than
         `_LEASE_MARGIN` before now (a claim or heartbeat still running writes leases
         later than that), so no run walks the lease index's dead entries from its start
-        again (docs/internals.md, "The hot path"). The first run starts at the start."""
+        again (docs/internals.md, "The hot path"). The first run starts at the start,
+        and so does the first on a server that started since the last look (a promoted
+        standby can hold rows whose leases the mark has passed)."""
         total = 0
         while True:
-            mark = await bounded(
+            mark, started = await bounded(
                 self._pool,
-                "fetchval",
+                "fetchrow",
                 self._q.lease_mark,
                 self._lease_mark,
                 _LEASE_MARGIN,
+                self._server_started,
                 timeout=self._timeout,
             )
             rows = await bounded(
@@ -275,7 +279,7 @@ class Maintenance:
                 mark,
                 timeout=self._timeout,
             )
-            self._lease_mark = mark
+            self._lease_mark, self._server_started = mark, started
             for event_id, topic, status, worker in rows:
                 if self._tallies is not None and status in ("retry", "dead"):
                     self._tallies.failed(topic, status == "dead")  # an attempt cut short

@@ -83,16 +83,20 @@ class MarkStatements:
 
     @property
     def lease_mark(self) -> str:
-        # $1 the last lease mark, $2 margin (s): the lease of the first row being
-        # processed from $1 (not locking), but never later than now() - $2: a claim or
-        # heartbeat still running writes leases later than that (now() + lease_timeout)
+        # $1 the last lease mark, $2 margin (s), $3 the server start time $1 was read
+        # on: the lease of the first row being processed from $1 (not locking), but
+        # never later than now() - $2: a claim or heartbeat still running writes leases
+        # later than that (now() + lease_timeout). On a server that started at another
+        # time (a promoted standby, a restore, a restart) the rows may be older than
+        # $1: the look starts from the start. Returns (mark, started).
         return (
             "SELECT least(now() - make_interval(secs => $2::float8), ("
             f" SELECT c.lease_expires_at FROM {self.qualified} AS c"
-            "  WHERE c.lease_expires_at >= $1::timestamptz"
+            "  WHERE c.lease_expires_at >= CASE WHEN pg_postmaster_start_time() ="
+            "    $3::timestamptz THEN $1::timestamptz ELSE '-infinity' END"
             "   AND c.lease_expires_at < now() - make_interval(secs => $2::float8)"
             "   AND c.status = 'processing'"
-            "  ORDER BY c.lease_expires_at LIMIT 1))"
+            "  ORDER BY c.lease_expires_at LIMIT 1)), pg_postmaster_start_time()"
         )
 
     @property
