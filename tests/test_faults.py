@@ -463,6 +463,55 @@ async def test_leases_behind_the_mark_are_recovered_on_a_server_that_started_sin
         await conn.close()
 
 
+async def test_rows_behind_the_marks_are_claimed_on_a_server_that_started_since(
+    private_pg: PrivatePostgres, private_dsn: str
+) -> None:
+    """A claim starts at each topic's low mark, a position no claimable row can appear
+    behind on one server. A promoted standby can hold one: a claim the old primary
+    committed and never replicated leaves its rows pending there. After the server's
+    start time changes, the consumer drops its marks and claims from the start."""
+    handled: list[int] = []
+
+    async def handler(event: aiooutbox.Event) -> None:
+        handled.append(event.payload["n"])
+
+    conn = await asyncpg.connect(private_dsn)
+    try:
+        async with asyncpg.create_pool(private_dsn, min_size=1, max_size=4) as pool:
+            consumer = aiooutbox.OutboxConsumer(
+                pool, concurrency=4, statement_timeout=2, poll_interval=0.2
+            )
+            async with running(consumer, {"t": handler}) as task:
+                [late] = await aiooutbox.enqueue_many(
+                    conn, [aiooutbox.NewEvent("t", {"n": -1}, delay=3600)]
+                )
+                await aiooutbox.enqueue_many(
+                    conn, [aiooutbox.NewEvent("t", {"n": i}) for i in range(50)]
+                )
+                await wait_until(_async(lambda: len(handled) >= 50), 20, "the first events")
+                await asyncio.sleep(1)  # idle claims (a poll each 0.2 s) read the marks
+                # the standby's row: pending, behind every mark the consumer holds
+                await conn.execute(
+                    "UPDATE outbox_events SET available_at = now() - interval '1 minute'"
+                    " WHERE id = $1",
+                    late,
+                )
+                await asyncio.sleep(2)
+                # the precondition: on this server the marks hide the row
+                assert -1 not in handled
+                await conn.close()
+                private_pg.restart()
+                restarted = time.monotonic()
+                conn = await asyncpg.connect(private_dsn)
+                await wait_until(
+                    _async(lambda: -1 in handled), 30, "the row behind the marks to be claimed"
+                )
+                report("row_behind_marks", claimed_after_restart_s=time.monotonic() - restarted)
+                assert not task.done()
+    finally:
+        await conn.close()
+
+
 async def test_after_a_restart_the_listener_is_back_before_the_consumer_idles(
     private_pg: PrivatePostgres, private_dsn: str, caplog: pytest.LogCaptureFixture
 ) -> None:

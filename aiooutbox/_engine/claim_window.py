@@ -135,6 +135,7 @@ class Marks:
         self.awaited: list[int] = []  # position keys (milliseconds) awaited
         self._until = -math.inf  # the marks are read anew from then on
         self._asked = 0.0  # when the claim that reads them was made
+        self._server: str | None = None  # the start time of the server they were read on
 
     def claim(self, q: Queries, topics: list[str], now: float) -> tuple[str, tuple[Any, ...], bool]:
         """The next claim of ``topics``: its statement, its arguments after the claim's
@@ -194,10 +195,24 @@ class Marks:
             ids.append(0 if sweep is None else sweep[2])
         return after, us, ids
 
-    def update(self, topics: list[str], found: str) -> None:
+    def update(self, topics: list[str], found: str, server: str | None = None) -> None:
         """A claim of ``topics`` returned ``found``: {"us": [...], "id": [...],
         "awaited": [...]}, the marks in the order of ``topics``, and since migration 0020
-        "after", "low_us", "low_id": each topic's sweep (a None "after": none)."""
+        "after", "low_us", "low_id": each topic's sweep (a None "after": none).
+
+        ``server``: the start time of the server that read them. On a server that
+        started since the last reading (a promoted standby, a restore, a restart) rows
+        can lie behind the marks: a claim the old primary committed and never
+        replicated leaves its rows pending there. The marks are dropped, so the next
+        claim reads them anew from the start."""
+        if server != self._server:
+            known, self._server = self._server is not None, server
+            if known:
+                self._marks.clear()
+                self._sweeps.clear()
+                self.awaited = []
+                self.renew()
+                return
         new = json.loads(found)
         for topic, us, id_ in zip(topics, new["us"], new["id"], strict=True):
             self._marks[topic] = (us, id_)

@@ -355,7 +355,7 @@ class Dispatcher:
             args += (*self.marks.sweeps(topics), PROBE_GROUPS)
         records = await conn.fetch(sql, *args, timeout=self._o.statement_timeout)
         if marked and topics is not None:  # the last record holds the new marks
-            self.marks.update(topics, records.pop()[2])
+            self.marks.update(topics, *records.pop()[2:4])
         return ClaimedRow.from_records(records)
 
     async def take_back_orphans(self, why: str) -> None:

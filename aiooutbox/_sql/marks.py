@@ -64,10 +64,15 @@ class MarkStatements:
         # `claim_in_turn`), $14-$16 each topic's sweep of its groups (the group probed
         # last, NULL: a sweep starts; its lowest candidate's microseconds and id) and $17
         # the most groups probed per topic. The claimed rows, each with ``redelivered``,
-        # then a row with a NULL id whose payload holds the new marks and sweeps
-        # (`Marks.update`)
+        # then a row with a NULL id whose payload holds the new marks and sweeps and
+        # whose dedupe_key the server's start time (`Marks.update`)
+        claimed = CLAIMED.replace(
+            "c.dedupe_key,",
+            "CASE WHEN c.id IS NULL THEN pg_postmaster_start_time()::text"
+            " ELSE c.dedupe_key END AS dedupe_key,",
+        )
         return (
-            f"SELECT {CLAIMED}, c.redelivered FROM {self._function('claim_v11')}"
+            f"SELECT {claimed}, c.redelivered FROM {self._function('claim_v11')}"
             "($1, $2::float8, $3::text[], $4::int, $5::bigint, $6::int, $7::int,"
             " $8::bigint[], $9::bigint[], $10::bigint[], $11::float8, $12::text, $13::int,"
             " $14::text[], $15::bigint[], $16::bigint[], $17::int) AS c"
