@@ -12,6 +12,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import asyncpg
+
 from benchmarks import report
 from benchmarks.scenarios import Bench, Config
 
@@ -59,12 +61,25 @@ def positive(value: object) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
+async def databases_left(pg_server: str, prefix: str) -> list[str]:
+    """The databases named with ``prefix`` that still exist."""
+    conn = await asyncpg.connect(pg_server)
+    try:
+        rows = await conn.fetch(
+            "SELECT datname FROM pg_database WHERE starts_with(datname, $1)", prefix
+        )
+    finally:
+        await conn.close()
+    return [r[0] for r in rows]
+
+
 async def run_tiny(
     pg_server: str, config: Config, out: Path, *, plots: bool = False
 ) -> tuple[dict[str, Any], dict[str, Path]]:
     """Run ``config`` within `LIMIT`; its results as written to ``out``, and the paths."""
     steps: list[str] = []
-    bench = Bench(pg_server, config, prefix=f"bsmoke_{uuid.uuid4().hex[:8]}_", log=steps.append)
+    prefix = f"bsmoke_{uuid.uuid4().hex[:8]}_"
+    bench = Bench(pg_server, config, prefix=prefix, log=steps.append)
     what = "+".join(config.scenarios)
     started = time.monotonic()
     try:
@@ -77,6 +92,7 @@ async def run_tiny(
         ) from None
     finally:
         await bench.cleanup()
+    assert not await databases_left(pg_server, prefix), "a scenario left its database"
     print(
         f"\n[benchmark smoke {what}] {time.monotonic() - started:.1f}s, "
         f"load average {os.getloadavg()[0]:.1f}"

@@ -14,7 +14,7 @@ from aiooutbox.migrations import latest_version
 from benchmarks import report
 from benchmarks.__main__ import config_from, parse, write
 from benchmarks.scenarios import Bench, Config, latency_grew
-from tests.benchmark_smoke import LIMIT, positive, run_tiny, tiny
+from tests.benchmark_smoke import LIMIT, databases_left, positive, run_tiny, tiny
 
 pytestmark = pytest.mark.timeout(LIMIT + 120)
 
@@ -371,11 +371,14 @@ async def test_relay_scenario_runs_at_tiny_sizes(pg_server: str, tmp_path: Path)
         relay_latency_rate=200.0,
         relay_latency_seconds=0.5,
     )
-    bench = Bench(pg_server, config, prefix=f"bsmoke_{uuid.uuid4().hex[:8]}_", log=lambda _: None)
+    prefix = f"bsmoke_{uuid.uuid4().hex[:8]}_"
+    bench = Bench(pg_server, config, prefix=prefix, log=lambda _: None)
     try:
         results = await bench.run()
     finally:
         await bench.cleanup()
+    # the scenario's own database too (a loop variable once shadowed its name)
+    assert not await databases_left(pg_server, prefix)
     paths = write(results, tmp_path, plots=False)
     relay = json.loads(paths["json"].read_text())["relay"]
     for name in ("jetstream", "rabbitmq", "kafka", "redis"):

@@ -80,8 +80,8 @@ async def measure(
             )
             results["all_topics"] = await nats_rabbitmq.all_topics(pool, events, rounds, log)
             results["latency"] = await nats_rabbitmq.latency(pool, *latency, log)
-            for name in ("kafka", "redis"):
-                results["latency"][name] = results[name].pop("latency")
+            for broker in ("kafka", "redis"):  # not `name`: the finally drops that
+                results["latency"][broker] = results[broker].pop("latency")
     finally:
         await drop_database(admin_dsn, name)
     results["load_average"]["end"] = _load()
