@@ -17,16 +17,27 @@ _MARK = (
     " ELSE 'epoch'::timestamptz + t.us * interval '1 microsecond' END, coalesce(t.id, 0))"
 )
 
+
 # The claim's columns as `ClaimedRow` reads them. ``created_at`` and ``available_at``
 # come as epoch seconds: asyncpg decodes a float8 at a tenth of a timestamptz's cost
 # (measured: 1.3 µs a row for the timestamptz, most of a claimed row's decoding), and
 # ±infinity stays ±inf; the datetime of ``Event.created_at`` is made from it, exact to
 # the microsecond for the years 1698 to 2242 (a float8's precision)
-CLAIMED = (
-    "c.id, c.topic, c.payload, c.dedupe_key, c.headers, c.attempts, c.max_attempts,"
-    " date_part('epoch', c.created_at) AS created_at,"
-    " date_part('epoch', c.available_at) AS available_at, c.message_id,"
-    ' c.ordering_key, c.is_head, c.grp AS "group"'
+def _claimed(dedupe_key: str) -> str:
+    return (
+        f"c.id, c.topic, c.payload, {dedupe_key}, c.headers, c.attempts, c.max_attempts,"
+        " date_part('epoch', c.created_at) AS created_at,"
+        " date_part('epoch', c.available_at) AS available_at, c.message_id,"
+        ' c.ordering_key, c.is_head, c.grp AS "group"'
+    )
+
+
+CLAIMED = _claimed("c.dedupe_key")
+# the claim from marks: its marks row (a NULL id) carries the server's start time in the
+# column it leaves empty (`Marks.update`)
+_CLAIMED_WITH_SERVER = _claimed(
+    "CASE WHEN c.id IS NULL THEN pg_postmaster_start_time()::text"
+    " ELSE c.dedupe_key END AS dedupe_key"
 )
 
 
@@ -66,13 +77,8 @@ class MarkStatements:
         # the most groups probed per topic. The claimed rows, each with ``redelivered``,
         # then a row with a NULL id whose payload holds the new marks and sweeps and
         # whose dedupe_key the server's start time (`Marks.update`)
-        claimed = CLAIMED.replace(
-            "c.dedupe_key,",
-            "CASE WHEN c.id IS NULL THEN pg_postmaster_start_time()::text"
-            " ELSE c.dedupe_key END AS dedupe_key,",
-        )
         return (
-            f"SELECT {claimed}, c.redelivered FROM {self._function('claim_v11')}"
+            f"SELECT {_CLAIMED_WITH_SERVER}, c.redelivered FROM {self._function('claim_v11')}"
             "($1, $2::float8, $3::text[], $4::int, $5::bigint, $6::int, $7::int,"
             " $8::bigint[], $9::bigint[], $10::bigint[], $11::float8, $12::text, $13::int,"
             " $14::text[], $15::bigint[], $16::bigint[], $17::int) AS c"
