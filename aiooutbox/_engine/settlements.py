@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 from .._sql.statements import Queries, id_array
 from .rows import Settlement
@@ -37,6 +38,28 @@ class Pending:
         for attempts, failures in self.failed.items():
             by[attempts].update(f.id for f in failures)
         return by
+
+    def split(self, most: int) -> tuple[Pending, Pending]:
+        """At most ``most`` of these outcomes, and the rest (``self`` whole if it fits)."""
+        if self.size <= most:
+            return self, Pending()
+        first, rest = Pending(), Pending()
+        room = most
+        groups: tuple[tuple[dict[int, list[Any]], ...], ...] = (
+            (self.done, first.done, rest.done),
+            (self.failed, first.failed, rest.failed),
+        )
+        for mine, taken, left in groups:
+            for attempts, outcomes in mine.items():
+                if room > 0:
+                    taken[attempts] = outcomes[:room]
+                    room -= len(taken[attempts])
+                    outcomes = outcomes[len(taken[attempts]) :]
+                if outcomes:
+                    left[attempts] = outcomes
+        first.size = most - room
+        rest.size = self.size - first.size
+        return first, rest
 
     def without(self, ids: set[int]) -> Pending:
         """These outcomes but those of ``ids``."""
