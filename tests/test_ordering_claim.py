@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncpg
 
 import aiooutbox
+from aiooutbox._engine.options import MAX_RUN, RUN_ROWS_PER_HEAD, run_length
 from aiooutbox._sql.plans import nested_plans
 from aiooutbox._sql.statements import queries
 from tests.helpers import insert_unchecked
@@ -63,6 +64,35 @@ async def test_a_claim_takes_runs_behind_every_head_shared_fairly(pool: asyncpg.
         "SELECT status::text, count(*) FROM outbox_events_all GROUP BY 1 ORDER BY 1"
     )
     assert [tuple(s) for s in statuses] == [("processing", 10), ("waiting", 6)]
+
+
+def test_a_keys_run_is_twice_its_share_of_the_budget() -> None:
+    """The consumer's run length: twice each head's share of the runs' budget (by the
+    last claim's heads), at least eight, never more than the claim asks for or
+    `MAX_RUN`; one key gets the whole budget."""
+    assert run_length(want=2048, heads=1000) == 2 * (RUN_ROWS_PER_HEAD * 2048 // 1000)
+    assert run_length(want=2048, heads=1) == MAX_RUN
+    assert run_length(want=100, heads=1) == 100
+    assert run_length(want=10, heads=5000) == 2 * RUN_ROWS_PER_HEAD
+    assert run_length(want=1, heads=0) == 1
+
+
+async def test_a_run_length_bounds_each_key_and_leaves_the_rest_waiting(
+    pool: asyncpg.Pool,
+) -> None:
+    """Over many keys the run length, not the budget, bounds a key's run: 20 keys with
+    30 events each, a budget of 200 and runs of 8 take 20 heads and 8 of each key;
+    the rest of each key stays waiting, in order, for the next claim."""
+    names = await _interleaved(pool, keys=20, per_key=30)
+    rows = await pool.fetch(Q.claim, WORKER, 30.0, ["t"], 20, 1 << 40, 8, 200)
+    by_key: dict[str, list[int]] = {}
+    for r in rows:
+        key, seq = names[r["id"]]
+        by_key.setdefault(key, []).append(seq)
+    assert len(by_key) == 20
+    assert all(sorted(seqs) == list(range(9)) for seqs in by_key.values()), by_key
+    waiting = await pool.fetchval("SELECT count(*) FROM outbox_events WHERE status = 'waiting'")
+    assert waiting == 20 * (30 - 9)
 
 
 async def test_a_claim_without_a_run_budget_takes_heads_only(pool: asyncpg.Pool) -> None:

@@ -29,7 +29,7 @@ from .groups import GROUPS_PER_CLAIM, PROBE_GROUPS, GroupCursor
 from .handoff import Handoff, Run, runs_of
 from .leases import Leases
 from .listener import Listener
-from .options import MAX_RUN, RUN_ROWS_PER_HEAD, ConsumerOptions
+from .options import RUN_ROWS_PER_HEAD, ConsumerOptions, run_length
 from .rows import ClaimedRow, ConsumerStats, getter
 from .settler import Settler
 from .signals import Signals, wait_any, wait_for
@@ -93,6 +93,7 @@ class Dispatcher:
         self._reconcile = True
         self._warned_down: float | None = None  # the listener outage last warned about
         self._claim_rows = 0  # rows of recent claims, their heads' runs included
+        self._heads = 1  # heads of the last claim that found any (`run_length`)
 
     @property
     def _listening(self) -> bool:
@@ -340,7 +341,7 @@ class Dispatcher:
             want,
             self._o.max_claim_bytes - used,  # the limited topics' rows took ``used``
             # an ordered key's events behind its head, run in order by one worker
-            min(want, MAX_RUN),
+            run_length(want, self._heads),
             # every run together: four times as many rows as heads (a run occupies one
             # worker, so runs add rows to a claim, not concurrency)
             RUN_ROWS_PER_HEAD * want,
@@ -356,7 +357,9 @@ class Dispatcher:
         records = await conn.fetch(sql, *args, timeout=self._o.statement_timeout)
         if marked and topics is not None:  # the last record holds the new marks
             self.marks.update(topics, *records.pop()[2:4])
-        return ClaimedRow.from_records(records)
+        rows = ClaimedRow.from_records(records)
+        self._heads = sum(map(_IS_HEAD, rows)) or self._heads
+        return rows
 
     async def take_back_orphans(self, why: str) -> None:
         """Release rows that carry our worker id but that we do not hold.

@@ -49,6 +49,19 @@ MAX_RUN = 1024
 RUN_ROWS_PER_HEAD = 4
 
 
+def run_length(want: int, heads: int) -> int:
+    """The most events of one key a claim of ``want`` takes behind its head, when the
+    last claim had ``heads``: no more than twice a fair share of the runs' budget.
+
+    The claim reads up to this many waiting events of each head's key, and takes the
+    first of every key, then the second, ... until the budget is spent: over 1,000 keys
+    with 100 events each, reading up to 1,024 a key read every waiting event each time
+    to take 8 of each (a third of the claim's time). Twice the share leaves room for
+    the keys with more when others have few; over one key the share is the budget."""
+    share = RUN_ROWS_PER_HEAD * want // max(1, heads)
+    return min(want, MAX_RUN, max(2 * share, 2 * RUN_ROWS_PER_HEAD))
+
+
 def _default_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
