@@ -67,6 +67,14 @@ async def main():
         if handled >= N:
             finished.set()
 
+    async def batch_handler(events):
+        nonlocal handled
+        handled += len(events)
+        if handled >= N:
+            finished.set()
+
+    batch = SETTINGS.pop("handler_batch", None)  # a batch handler of this size instead
+    registered = aiooutbox.Handler(batch_handler, batch=batch) if batch else handler
     pool_size = SETTINGS.pop("pool_size", None)
     pool = await (
         asyncpg.create_pool(DSN, min_size=pool_size, max_size=pool_size)
@@ -77,7 +85,7 @@ async def main():
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     started = time.perf_counter()
     async with aiooutbox.OutboxConsumer(pool, **SETTINGS) as consumer:
-        task = asyncio.ensure_future(consumer.run({"bench": handler}))
+        task = asyncio.ensure_future(consumer.run({"bench": registered}))
         await asyncio.wait_for(finished.wait(), 600)
         while await conn.fetchval(f"SELECT count(*) FROM {TABLE} WHERE status <> 'done'"):
             await asyncio.sleep(0.005)
@@ -126,7 +134,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--settings",
         default='{"concurrency": 500, "pool_size": 6}',
-        help="OutboxConsumer keyword arguments as JSON, plus pool_size ('{}': the defaults)",
+        help="OutboxConsumer keyword arguments as JSON, plus pool_size and handler_batch"
+        " (a batch handler of that size) ('{}': the defaults)",
     )
     parser.add_argument("--database", default="bench_ab")
     parser.add_argument("--out", type=Path, help="write the rounds and medians here (JSON)")
