@@ -447,8 +447,17 @@ def test_latency_grew_tells_a_building_backlog_from_a_steady_one() -> None:
     assert not latency_grew([[0, 5, 9, 0], [0.5, 900, 900, 0], [1, 5, 9, 10]])
 
 
-@pytest.mark.parametrize("keys", [0, 20])
-async def test_version_ab_drains_every_side(pg_server: str, tmp_path: Path, keys: int) -> None:
+@pytest.mark.parametrize(
+    ("keys", "settings"),
+    [
+        (0, '{"concurrency": 50, "pool_size": 2}'),
+        (20, '{"concurrency": 50, "pool_size": 2}'),
+        (20, '{"concurrency": 50, "pool_size": 2, "handler_batch": 16}'),  # a batch handler
+    ],
+)
+async def test_version_ab_drains_every_side(
+    pg_server: str, tmp_path: Path, keys: int, settings: str
+) -> None:
     from benchmarks import ab
 
     checkout = str(Path(__file__).resolve().parent.parent)
@@ -464,7 +473,7 @@ async def test_version_ab_drains_every_side(pg_server: str, tmp_path: Path, keys
             "--rounds",
             "2",
             "--settings",
-            '{"concurrency": 50, "pool_size": 2}',
+            settings,
             "--database",
             f"bench_ab_{uuid.uuid4().hex[:8]}",
             "--out",
