@@ -10,9 +10,8 @@ import anyio
 import asyncpg
 
 import aiooutbox
-from aiooutbox._engine import settler as settler_module
 from aiooutbox._engine.rows import Outcome, Settlement
-from aiooutbox._engine.settlements import Pending
+from aiooutbox._engine.settlements import WRITE_ROWS, Pending
 from aiooutbox._engine.settler import Settler
 from aiooutbox._sql.statements import queries
 
@@ -76,7 +75,7 @@ async def test_a_flush_of_many_heads_promotes_their_keys_statement_by_statement(
             settler.done(head["id"], head["attempts"], "t")
         with anyio.fail_after(30):
             await settler.close(timeout=20)
-        assert sizes == [settler_module._WRITE_ROWS, KEYS - settler_module._WRITE_ROWS]
+        assert sizes == [WRITE_ROWS, KEYS - WRITE_ROWS]
         assert len(promoted) == 2, "each statement promoted its own keys"
         assert settler.promoted == KEYS and settler.fenced == 0
         states = await pool.fetch(
@@ -101,7 +100,7 @@ async def test_a_failed_statement_is_written_again_without_the_ones_before(dsn: 
 
         async def flaky(batch: Pending) -> None:
             nonlocal failures
-            if batch.size < settler_module._WRITE_ROWS and failures == 0:
+            if batch.size < WRITE_ROWS and failures == 0:
                 failures += 1
                 raise asyncpg.exceptions.ConnectionDoesNotExistError("cut mid-flush")
             await write(batch)

@@ -10,9 +10,22 @@ from typing import Any
 from .._sql.statements import Queries, id_array
 from .rows import Settlement
 
-__all__ = ["Pending", "Statement", "done_statement", "failed_statement", "outcome_statements"]
+__all__ = [
+    "WRITE_ROWS",
+    "Pending",
+    "Statement",
+    "done_statement",
+    "failed_statement",
+    "outcome_statements",
+]
 
 Statement = tuple[str, tuple[object, ...], int]  # sql, arguments, rows it should settle
+# outcomes per statement: the statements of one flush follow each other (each commits
+# on its own), so an ordered key's next event is promoted by the first and claimed
+# while the rest are written; with one statement per flush a backlog over ordering keys
+# went claim, run, settle, claim ... with one core idle, and a drain of 1,000 keys ran
+# at two thirds of the speed (docs/internals.md, the settler)
+WRITE_ROWS = 512
 
 
 @dataclass

@@ -31,8 +31,8 @@ from .._sql.statements import Queries
 from .._values.text import describe_exception, exception_message, exception_summary
 from .rollups import Tallies
 from .rows import ClaimedRow, Outcome, Settlement, getter
+from .settlements import WRITE_ROWS, done_statement, failed_statement, outcome_statements
 from .settlements import Pending as _Batch
-from .settlements import done_statement, failed_statement, outcome_statements
 
 __all__ = ["Settler"]
 
@@ -44,12 +44,6 @@ _PLACEHOLDER = "(the error text of this attempt could not be stored: {})"
 # the connection is kept from one flush to the next, and given back once no outcome
 # came for this long (a drain flushes every few milliseconds)
 _HOLD_IDLE = _PROMOTE_RETRY
-# outcomes per settlement statement: the statements of one flush follow each other
-# (each commits on its own), so an ordered key's next event is promoted by the first
-# and claimed while the rest are written; with one statement per flush a backlog over
-# ordering keys went claim, run, settle, claim ... with one core idle, and a drain of
-# 1,000 keys ran at two thirds of the speed (docs/internals.md, the settler)
-_WRITE_ROWS = 512
 _ID, _ATTEMPTS, _REDELIVERED = map(getter, ("id", "attempts", "redelivered"))
 
 
@@ -293,7 +287,7 @@ class Settler:
         promote = bool(self._promote_later)  # deferred promotions ride along once
         while self._pending or promote:
             promote = False
-            batch, self._pending = self._pending.split(_WRITE_ROWS)
+            batch, self._pending = self._pending.split(WRITE_ROWS)
             self._writing = batch
             try:
                 # a write under way finishes even if we are cancelled: its rows are settled
