@@ -180,8 +180,10 @@ class Dispatcher:
                 # event that commits meanwhile wakes us instead of waiting a linger.
                 idle = False
                 await self._declare(busy=True)
+            heads = sum(map(_IS_HEAD, rows))
+            self._heads = heads or self._heads  # for the next claim's `run_length`
             # full: the heads (runs ride along beyond them) took every row asked for
-            full = sum(map(_IS_HEAD, rows)) >= min(want, self.window.size)
+            full = heads >= min(want, self.window.size)
             if self._flow.more:  # a limited topic gave all its share: it may have more
                 self._flow.more = False
                 full = True
@@ -357,9 +359,7 @@ class Dispatcher:
         records = await conn.fetch(sql, *args, timeout=self._o.statement_timeout)
         if marked and topics is not None:  # the last record holds the new marks
             self.marks.update(topics, *records.pop()[2:4])
-        rows = ClaimedRow.from_records(records)
-        self._heads = sum(map(_IS_HEAD, rows)) or self._heads
-        return rows
+        return ClaimedRow.from_records(records)
 
     async def take_back_orphans(self, why: str) -> None:
         """Release rows that carry our worker id but that we do not hold.
