@@ -16,6 +16,8 @@ may be read before the claim's (`Settler.claiming`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -237,3 +239,66 @@ async def test_only_writes_that_end_during_the_claim_leave_it_unsure(pool: async
         assert not settler.stale_possible()  # the claim's rows were handed out
         assert settler.fenced == 2
         tg.cancel_scope.cancel()
+
+
+async def test_a_write_that_ends_while_the_claim_awaits_its_connection_came_before(
+    pool: asyncpg.Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write whose reply was read before the claim's connection was taken committed
+    before the claim was sent: the claim may start the row it wrote. Regression: the
+    dispatcher began keeping ended writes before it awaited a connection from the pool,
+    so a dead outcome written during that wait, and a `dead_retry` before the claim,
+    left the retried head unstarted ("its lease lapsed first") for a whole lease."""
+    from aiooutbox import admin
+    from aiooutbox._sql.db import HeldConnection
+
+    head = await aiooutbox.enqueue(pool, "t", {"seq": 0}, ordering_key="k", max_attempts=1)
+    assert head is not None
+    theirs: list[HeldConnection] = []
+    init = Dispatcher.__init__
+
+    def remember(self: Dispatcher, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        theirs.append(self._conn)
+
+    gate, waiting = asyncio.Event(), asyncio.Event()
+    use = HeldConnection.use
+
+    @contextlib.asynccontextmanager
+    async def slow_acquire(self: HeldConnection) -> AsyncIterator[asyncpg.Connection]:
+        if self in theirs and not gate.is_set():
+            waiting.set()
+            await gate.wait()  # the pool has no connection to spare yet
+        async with use(self) as conn:
+            yield conn
+
+    monkeypatch.setattr(Dispatcher, "__init__", remember)
+    monkeypatch.setattr(HeldConnection, "use", slow_acquire)
+    failed = asyncio.Event()
+    runs: list[int] = []
+
+    async def handle(event: aiooutbox.Event) -> None:
+        runs.append(event.attempts)
+        if not failed.is_set():
+            failed.set()
+            waiting.clear()  # the next claim waits for its connection
+            raise RuntimeError("poison")
+
+    consumer = aiooutbox.OutboxConsumer(pool, worker_id="w", poll_interval=0.1)
+    gate.set()
+    async with running(consumer, {"t": aiooutbox.Handler(handle, on_dead="block")}):
+        await asyncio.wait_for(failed.wait(), 20)
+        gate.clear()
+        await asyncio.wait_for(waiting.wait(), 20)  # a claim awaits its connection
+        await wait_until(lambda: _status_is(pool, head, "dead"), timeout=20)  # written now
+        assert await admin.dead_retry(pool, ids=[head]) == {"t": 1}
+        gate.set()
+        took = await wait_until(lambda: _done(pool, head), timeout=25)
+        print(f"the retried head was done {took:.2f} s after its connection was given")
+    assert runs == [1, 1]
+    assert took < 10, took  # not a lease (30 s) later
+
+
+async def _status_is(pool: asyncpg.Pool, event_id: int, status: str) -> bool:
+    got = await pool.fetchval("SELECT status::text FROM outbox_events_all WHERE id = $1", event_id)
+    return bool(got == status)

@@ -301,28 +301,30 @@ class Dispatcher:
         opened = False
         # shielded: a claim the server committed is always read and handed out, so a
         # fast stop during a claim releases its rows instead of stranding them for a
-        # lease (the wait is bounded by the acquire and statement timeouts); until the
-        # rows are handed out, the settler keeps the writes that end (`_hand_out`)
-        with anyio.CancelScope(shield=True), self._settler.claiming():
+        # lease (the wait is bounded by the acquire and statement timeouts); from the
+        # connection's taking until they are, the settler keeps the writes that end
+        with anyio.CancelScope(shield=True):
             async with self._conn.use() as conn:
-                if claim_open and topics is None and flow.lists_topics:
-                    topics = await flow.listed(conn, started)
-                    claim_open = topics != []
-                if claim_open and open_first:
-                    rows, opened = await self._claim_open(conn, topics, shares[OPEN], 0, full), True
-                if limited:
-                    taken, size = await flow.claim(conn, limited, rows, self.groups)
-                    self._stats.claims += 1
-                rest = want - len(taken)
-                if claim_open and not opened and rest > 0 and size < self._o.max_claim_bytes:
-                    rows, opened = await self._claim_open(conn, topics, rest, size, full), True
-                ended = time.monotonic()
-                if self._observers:  # first: they say here whether they want these events
-                    self._observers.claimed(len(taken) + len(rows), ended - started)
-                if taken:
-                    self._hand_out(taken, handoff, started, first=True)
-                if rows:
-                    self._hand_out(rows, handoff, started)
+                with self._settler.claiming():
+                    if claim_open and topics is None and flow.lists_topics:
+                        topics = await flow.listed(conn, started)
+                        claim_open = topics != []
+                    if claim_open and open_first:
+                        opened = True
+                        rows = await self._claim_open(conn, topics, shares[OPEN], 0, full)
+                    if limited:
+                        taken, size = await flow.claim(conn, limited, rows, self.groups)
+                        self._stats.claims += 1
+                    rest = want - len(taken)
+                    if claim_open and not opened and rest > 0 and size < self._o.max_claim_bytes:
+                        rows, opened = await self._claim_open(conn, topics, rest, size, full), True
+                    ended = time.monotonic()
+                    if self._observers:  # first: they say here whether they want these events
+                        self._observers.claimed(len(taken) + len(rows), ended - started)
+                    if taken:
+                        self._hand_out(taken, handoff, started, first=True)
+                    if rows:
+                        self._hand_out(rows, handoff, started)
         if opened:
             self._stats.claims += 1
             flow.opened(len(rows))
