@@ -79,11 +79,12 @@ class OutboxConsumer:
     - ``concurrency=64``: handlers running at once, and the most rows this consumer holds.
       Higher drains faster but holds more leases if the process dies.
     - ``batch_size=None`` (= concurrency): the most rows one claim takes.
-    - ``prefetch=None`` (= 512 - concurrency, at least 0): the most rows claimed ahead
-      of the running handlers, waiting for a worker with their leases kept alive; no
-      more than about 0.1 s of work at the recent rate (none under 10 events/s). It
-      hides the claim's round trip behind the handlers; ``0`` holds at most
-      ``concurrency`` rows. An explicit ``batch_size`` still caps each claim.
+    - ``prefetch=None`` (= 512 - concurrency, at least 0; with batch handlers, at least
+      enough to hold four of the largest batch): the most rows claimed ahead of the
+      running handlers, waiting for a worker with their leases kept alive; no more than
+      about 0.1 s of work at the recent rate (none under 10 events/s). It hides the
+      claim's round trip behind the handlers; ``0`` holds at most ``concurrency`` rows.
+      An explicit ``batch_size`` still caps each claim.
     - ``max_claim_bytes=16 MiB``: one claim stops adding rows once their stored payloads
       (after TOAST compression) reach this size; the first row is always taken. Memory
       per consumer is about ``concurrency`` decoded payloads at once.

@@ -8,6 +8,7 @@ import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from functools import partial
+from typing import Any
 
 import asyncpg
 import pytest
@@ -89,6 +90,38 @@ async def test_prefetch_claims_ahead_of_fast_handlers_within_its_bound(
     assert max(held) <= bound, (max(held), bound)
     if prefetch != 0:
         assert max(held) > 8, max(held)  # it did claim ahead
+
+
+@pytest.mark.parametrize(("prefetch", "bound"), [(None, 4 * 300), (0, 600)])
+async def test_batch_handlers_claim_ahead_until_four_batches_are_held(
+    pool: asyncpg.Pool, prefetch: int | None, bound: int
+) -> None:
+    """A batch frees its slots at once: with room for two batches only, a claim would
+    wait for one to end; by default the consumer claims ahead to hold four."""
+    total = 6000
+    await aiooutbox.enqueue_many(pool, [aiooutbox.NewEvent("t", {}) for _ in range(total)])
+    held: list[int] = []
+    consumer = aiooutbox.OutboxConsumer(pool, concurrency=600, prefetch=prefetch)
+
+    async def handle(events: list[aiooutbox.Event]) -> None:
+        held.append(consumer.stats.in_flight)  # claimed rows not finished yet
+
+    async with running(consumer, {"t": aiooutbox.Handler(handle, batch=300)}):
+        await wait_until(all_in(pool, "done", total), timeout=60)
+    assert max(held) <= bound, (max(held), bound)
+    if prefetch is None:
+        assert max(held) > 600, held  # it did claim ahead
+
+
+def test_the_default_prefetch_with_batch_handlers() -> None:
+    def ahead(largest: int, **options: Any) -> int:
+        return ConsumerOptions.build(**options).for_batches(largest).ahead
+
+    assert ahead(500, concurrency=1000) == 1000  # four batches held
+    assert ahead(256, concurrency=2048) == 0  # eight batches run already
+    assert ahead(10) == 512 - 64  # the per-event default is larger
+    assert ahead(500, concurrency=1000, prefetch=0) == 0  # given: kept
+    assert ahead(500, concurrency=1000, prefetch=7) == 7
 
 
 async def test_slow_handlers_get_no_prefetch(pool: asyncpg.Pool) -> None:

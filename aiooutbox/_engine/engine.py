@@ -74,7 +74,8 @@ class Engine:
         on_fatal: Callable[[BaseException], None],
     ) -> None:
         self._pool = pool
-        self._options = options
+        batches = [h.batch for h in handlers.values() if h.batch is not None]
+        self._options = options.for_batches(max(batches)) if batches else options
         self._handlers = handlers
         self._topics = topics
         self._stats = stats

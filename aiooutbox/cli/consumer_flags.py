@@ -55,8 +55,8 @@ def add_consumer_options(parser: argparse.ArgumentParser, *, topics_help: str) -
         metavar="N",
         default=env_default("AIOOUTBOX_PREFETCH", NON_NEGATIVE_INT, None),
         help="most events claimed ahead of the running handlers, about 0.1 s of work at "
-        "the recent rate (env AIOOUTBOX_PREFETCH; default 512 - concurrency, at least 0; "
-        "0 turns it off)",
+        "the recent rate (env AIOOUTBOX_PREFETCH; default 512 - concurrency, at least 0, "
+        "or with batch handlers enough to hold four of the largest batch; 0 turns it off)",
     )
     group.add_argument(
         "--topics",
