@@ -272,25 +272,32 @@ async def test_a_write_that_ends_while_the_claim_awaits_its_connection_came_befo
         async with use(self) as conn:
             yield conn
 
+    execute = Settler._execute
+
+    async def write_while_the_claim_waits(
+        self: Settler, conn: asyncpg.Connection, statements: Any
+    ) -> Any:
+        if head in self._writing.ids() and not gate.is_set():
+            await asyncio.wait_for(waiting.wait(), 20)  # a claim awaits its connection
+        return await execute(self, conn, statements)
+
     monkeypatch.setattr(Dispatcher, "__init__", remember)
     monkeypatch.setattr(HeldConnection, "use", slow_acquire)
-    failed = asyncio.Event()
+    monkeypatch.setattr(Settler, "_execute", write_while_the_claim_waits)
     runs: list[int] = []
 
     async def handle(event: aiooutbox.Event) -> None:
         runs.append(event.attempts)
-        if not failed.is_set():
-            failed.set()
-            waiting.clear()  # the next claim waits for its connection
+        if len(runs) == 1:
+            gate.clear()  # from now on a claim waits for its connection
             raise RuntimeError("poison")
 
     consumer = aiooutbox.OutboxConsumer(pool, worker_id="w", poll_interval=0.1)
     gate.set()
     async with running(consumer, {"t": aiooutbox.Handler(handle, on_dead="block")}):
-        await asyncio.wait_for(failed.wait(), 20)
-        gate.clear()
-        await asyncio.wait_for(waiting.wait(), 20)  # a claim awaits its connection
-        await wait_until(lambda: _status_is(pool, head, "dead"), timeout=20)  # written now
+        # the dead outcome is written while a claim waits, and ends before it is sent
+        await wait_until(lambda: _status_is(pool, head, "dead"), timeout=20)
+        assert waiting.is_set() and not gate.is_set()
         assert await admin.dead_retry(pool, ids=[head]) == {"t": 1}
         gate.set()
         took = await wait_until(lambda: _done(pool, head), timeout=25)
