@@ -10,10 +10,19 @@ import asyncpg
 import pytest
 
 import aiooutbox
+from aiooutbox._engine.options import RUN_ROWS_PER_HEAD, ConsumerOptions
 from tests.faults.batch_proc import RUNS_DDL
 from tests.faults.procs import ConsumerProcess, all_finished, wait_until
 
 pytestmark = pytest.mark.slow
+
+#: the consumers' options (prefetch 0: nothing claimed ahead of the handlers)
+OPTIONS = ConsumerOptions.build(concurrency=40, prefetch=0)
+#: a claim's rows: as many as there are free handlers, and runs behind its ordered heads
+CLAIM = OPTIONS.concurrency * (1 + RUN_ROWS_PER_HEAD)
+#: bounded work (docs/guarantees.md): the handlers' rows, the outcomes not yet written up
+#: to the bound past which claiming pauses, and the claim under way when it is reached
+HELD = OPTIONS.concurrency + OPTIONS.max_unwritten(CLAIM) + CLAIM
 
 
 @pytest.fixture
@@ -29,11 +38,11 @@ async def db(dsn: str) -> asyncpg.Connection:
 async def test_sigkill_mid_batch_loses_nothing_and_keeps_order(
     dsn: str, db: asyncpg.Connection
 ) -> None:
-    lease, total, keys = 2.0, 600, 20
+    lease, total, keys = 2.0, 2 * HELD, 20
     # prefetch 0: what the victim holds is then bounded by concurrency alone (the default
     # prefetch follows the rate, ~0.1 s of work, so its bound moves with the machine)
-    base = {"dsn": dsn, "concurrency": 40, "batch": 20, "lease_timeout": lease, "sleep": 0.05,
-            "prefetch": 0}  # fmt: skip
+    base = {"dsn": dsn, "concurrency": OPTIONS.concurrency, "batch": 20, "sleep": 0.05,
+            "lease_timeout": lease, "prefetch": OPTIONS.prefetch}  # fmt: skip
     victim = ConsumerProcess({**base, "worker_id": "victim"}, module="tests.faults.batch_proc")
     survivor = ConsumerProcess({**base, "worker_id": "survivor"}, module="tests.faults.batch_proc")
     try:
@@ -80,9 +89,7 @@ async def test_sigkill_mid_batch_loses_nothing_and_keeps_order(
     # only what the victim held can run again, and once more at most
     assert set(twice) <= held, set(twice) - held
     assert max(twice.values(), default=2) == 2
-    # bounded work (docs/guarantees.md): 40 running, as many finished whose outcomes are
-    # not yet written (the settlement buffer), and runs behind ordered heads (4 x heads)
-    assert len(held) <= 40 + 40 + 4 * 20, f"the victim held {len(held)} rows"
+    assert len(held) <= HELD, f"the victim held {len(held)} rows (bound {HELD})"
     # every key's events in order: a delivery of seq s comes after one of each seq < s
     runs = await db.fetch("SELECT okey, seq FROM runs WHERE okey IS NOT NULL ORDER BY run")
     seen: dict[str, set[int]] = {}
