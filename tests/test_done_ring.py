@@ -180,6 +180,54 @@ async def test_a_reader_holding_a_slot_delays_only_that_slot(pool: asyncpg.Pool,
     assert await _slots(pool) == {2: 1}
 
 
+SLOT_BRIN = (
+    "SELECT h.inhrelid::regclass::text FROM pg_inherits AS h JOIN pg_index AS x"
+    " ON x.indexrelid = h.inhrelid WHERE h.inhparent = 'outbox_events_done_finished_idx'::regclass"
+    " AND x.indrelid = $1::regclass"
+)
+
+
+async def test_inserts_into_the_ring_ask_autovacuum_for_nothing(pool: asyncpg.Pool) -> None:
+    """With `autosummarize` on, every insert that starts a page range asked autovacuum for
+    a work item, and past 256 waiting (a fast drain, or autovacuum off) each refused one
+    wrote a line to the server log."""
+    options = await pool.fetch(
+        "SELECT c.relname, c.reloptions FROM pg_inherits AS h JOIN pg_class AS c"
+        " ON c.oid = h.inhrelid"
+        " WHERE h.inhparent = 'outbox_events_done_finished_idx'::regclass ORDER BY 1"
+    )
+    assert len(options) == 8, options  # one a slot
+    for row in options:
+        assert "autosummarize=off" in row["reloptions"], row
+
+
+async def test_retention_summarizes_a_slot_before_it_reads_it(pool: asyncpg.Pool, dsn: str) -> None:
+    # slot 0 no longer current, holding young events over 2+ whole page ranges (32 pages)
+    await pool.execute(
+        "INSERT INTO outbox_events_done (slot, id, topic, payload, headers, attempts,"
+        " max_attempts, available_at, created_at, finished_at, message_id)"
+        " SELECT 0, g, 't', '{}', '{}', 1, 5, now(), now(), now(), gen_random_uuid()"
+        " FROM generate_series(1, 6000) AS g"
+    )
+    await pool.execute("UPDATE outbox_events_done_ring SET slot = 1, since = now()")
+    index = await pool.fetchval(SLOT_BRIN, "outbox_events_done_0")
+    assert index is not None
+    # a VACUUM of the slot holds the lock a summary takes: the slot is read unsummarized
+    vacuum = await asyncpg.connect(dsn)
+    try:
+        async with vacuum.transaction():
+            await vacuum.execute("LOCK TABLE outbox_events_done_0 IN SHARE UPDATE EXCLUSIVE MODE")
+            assert tuple(await pool.fetchrow(RETIRE, 60.0)) == (0, False)
+    finally:
+        await vacuum.close()
+    # the next run summarizes it: nothing is left to summarize after it
+    assert tuple(await pool.fetchrow(RETIRE, 60.0)) == (0, False)
+    assert await pool.fetchval("SELECT brin_summarize_new_values($1::regclass)", index) == 0
+    await _backdate(pool)
+    assert tuple(await pool.fetchrow(RETIRE, 60.0)) == (1, False)
+    assert await _slots(pool) == {}
+
+
 @pytest.mark.parametrize("age", [0.0, -1.0, None, float("nan"), float("inf"), 1e300])
 async def test_retire_refuses_an_age_that_is_not_a_positive_number(
     pool: asyncpg.Pool, age: float | None
