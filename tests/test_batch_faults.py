@@ -39,8 +39,8 @@ async def test_sigkill_mid_batch_loses_nothing_and_keeps_order(
     dsn: str, db: asyncpg.Connection
 ) -> None:
     lease, total, keys = 2.0, 2 * HELD, 20
-    # prefetch 0: what the victim holds is then bounded by concurrency alone (the default
-    # prefetch follows the rate, ~0.1 s of work, so its bound moves with the machine)
+    # prefetch 0 (`OPTIONS`): nothing claimed ahead, whose bound (~0.1 s of work at the
+    # recent rate) would move with the machine
     base = {"dsn": dsn, "concurrency": OPTIONS.concurrency, "batch": 20, "sleep": 0.05,
             "lease_timeout": lease, "prefetch": OPTIONS.prefetch}  # fmt: skip
     victim = ConsumerProcess({**base, "worker_id": "victim"}, module="tests.faults.batch_proc")

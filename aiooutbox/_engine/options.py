@@ -187,7 +187,7 @@ class ConsumerOptions:
         claim's connection idles while the batches run. Unless ``prefetch`` was given,
         claim ahead until four batches are held (a 100k drain with a handler of 500 at
         concurrency 1,000: 1.17x; at 2,048 with 256, where eight batches run, more
-        rows ahead gained nothing: docs/benchmarks.md)."""
+        rows ahead gained nothing: docs/benchmarks-history.md)."""
         if self.prefetch is not None:
             return self
         return replace(self, prefetch=max(self.ahead, 4 * largest - self.concurrency))
