@@ -281,14 +281,28 @@ _OLDEST = (
 )
 
 
-async def _lock_timed_out(conn: asyncpg.Connection, q: Queries, m: Migration) -> None:
+# What rolls a migration's transaction back to be tried again: a lock not had within
+# the timeout, or this transaction chosen to end a deadlock with a session that took the
+# same tables in the other order (a consumer of the previous release holding its flow
+# control row while it waits for the outbox the migration has already locked).
+_TRIED_AGAIN = (asyncpg.LockNotAvailableError, asyncpg.DeadlockDetectedError)
+
+
+async def _lock_refused(
+    conn: asyncpg.Connection, q: Queries, m: Migration, error: asyncpg.PostgresError
+) -> None:
     oldest = await conn.fetchrow(_OLDEST)
+    why = (
+        "was chosen to end a deadlock"
+        if isinstance(error, asyncpg.DeadlockDetectedError)
+        else f"waited {_LOCK_TIMEOUT} for a lock"
+    )
     logger.warning(
-        "migration %04d_%s waited %s for a lock on %s; trying again in %.0f s (the oldest"
-        " open transaction: backend %s, open %s s: %s)",
+        "migration %04d_%s %s on %s; trying again in %.0f s (the oldest open"
+        " transaction: backend %s, open %s s: %s)",
         m.version,
         m.name,
-        _LOCK_TIMEOUT,
+        why,
         q.qualified,
         _RETRY_AFTER,
         *(oldest if oldest else ("?", "?", "?")),
@@ -319,10 +333,10 @@ async def _apply(
                     await conn.execute(_in_one_transaction(q, m))
                     await _record(conn, q, m)
                     return True
-        except asyncpg.LockNotAvailableError:
+        except _TRIED_AGAIN as error:
             if nested:
                 raise
-            await _lock_timed_out(conn, q, m)
+            await _lock_refused(conn, q, m, error)
             continue
         await asyncio.sleep(POLL)  # a concurrent build runs: tried again, holding nothing
 
@@ -344,8 +358,8 @@ async def _step(
                 if last:
                     await _record(conn, q, m)
                 return True
-        except asyncpg.LockNotAvailableError:
-            await _lock_timed_out(conn, q, m)
+        except _TRIED_AGAIN as error:
+            await _lock_refused(conn, q, m, error)
 
 
 async def _apply_in_steps(conn: asyncpg.Connection, q: Queries, m: Migration, key: str) -> bool:

@@ -349,6 +349,46 @@ async def test_a_long_transaction_does_not_hold_producers_behind_migrate(
     assert f"backend {holder_pid}" in caplog.text and "trying again" in caplog.text
 
 
+async def test_a_migration_chosen_to_end_a_deadlock_is_tried_again(
+    empty_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """0018's last step locks the outbox (DROP INDEX), then the flow control table
+    (ALTER TABLE); a consumer of the previous release locks them the other way round
+    (its topic's control row, then the outbox rows it claims). Such a session holds the
+    control table while the migration waits for it, then asks for the outbox: the
+    server ends the deadlock by rolling back the migration's transaction (it waited
+    first), and `migrate` tries that step again instead of failing the deploy."""
+    conn = await asyncpg.connect(empty_dsn)
+    holder = await asyncpg.connect(empty_dsn)
+    watcher = await asyncpg.connect(empty_dsn)
+    try:
+        await migrate_to(conn, 17)
+        flow = await conn.fetchval("SELECT 'outbox_events_flow'::regclass::oid")
+        await holder.execute("BEGIN; LOCK TABLE outbox_events_flow IN ROW SHARE MODE")
+        migrate_pid = await conn.fetchval("SELECT pg_backend_pid()")
+        with caplog.at_level(logging.WARNING, logger="aiooutbox.migrations"):
+            migrating = asyncio.create_task(aiooutbox.migrate(conn))
+            await wait_until(
+                lambda: watcher.fetchval(
+                    "SELECT count(*) > 0 FROM pg_locks WHERE pid = $1 AND relation = $2"
+                    " AND NOT granted",
+                    migrate_pid,
+                    flow,
+                ),
+                timeout=60,
+                interval=0.005,
+            )
+            # the other order: the server's deadlock check rolls the migration back
+            await holder.execute("LOCK TABLE outbox_events IN ROW SHARE MODE")
+            await holder.execute("COMMIT")
+            applied = await asyncio.wait_for(migrating, 60)
+    finally:
+        for c in (conn, holder, watcher):
+            await c.close()
+    assert applied == HEAD
+    assert "chosen to end a deadlock" in caplog.text and "trying again" in caplog.text
+
+
 async def test_a_build_waits_for_a_session_outside_a_transaction(empty_dsn: str) -> None:
     conn = await asyncpg.connect(empty_dsn)
     try:
