@@ -42,6 +42,7 @@ from ._sql.index_builds import (
     release_build_lock,
     take_build_lock,
 )
+from ._sql.lock_waits import SET_LOCK_TIMEOUT, TRIED_AGAIN, wait_to_try_again
 from ._sql.statements import DEFAULT_SCHEMA, DEFAULT_TABLE, Queries, queries
 from ._values.text import exception_message
 from .errors import SchemaNotReady, SchemaTooNew
@@ -268,49 +269,6 @@ async def _record(conn: asyncpg.Connection, q: Queries, m: Migration) -> None:
         await conn.execute(q.record_compat_version, m.version, m.name, m.compatible_with)
 
 
-# A migration's transaction waits at most this long for a lock (after its advisory
-# lock), then rolls back and tries again: queued behind a long transaction that reads
-# the outbox (a pg_dump, a forgotten BEGIN), its ALTER TABLE's ACCESS EXCLUSIVE request
-# would hold up every producer and consumer behind it until that transaction ends.
-_LOCK_TIMEOUT = "2s"
-_RETRY_AFTER = 1.0  # seconds between those tries: the writers queued meanwhile go on
-_OLDEST = (
-    "SELECT pid, extract(epoch FROM now() - xact_start)::int, left(query, 80)"
-    " FROM pg_stat_activity WHERE datname = current_database() AND xact_start IS NOT NULL"
-    " AND pid <> pg_backend_pid() ORDER BY xact_start LIMIT 1"
-)
-
-
-# What rolls a migration's transaction back to be tried again: a lock not had within
-# the timeout, or this transaction chosen to end a deadlock with a session that took the
-# same tables in the other order (a consumer of the previous release holding its flow
-# control row while it waits for the outbox the migration has already locked).
-_TRIED_AGAIN = (asyncpg.LockNotAvailableError, asyncpg.DeadlockDetectedError)
-
-
-async def _lock_refused(
-    conn: asyncpg.Connection, q: Queries, m: Migration, error: asyncpg.PostgresError
-) -> None:
-    oldest = await conn.fetchrow(_OLDEST)
-    why = (
-        "was chosen to end a deadlock"
-        if isinstance(error, asyncpg.DeadlockDetectedError)
-        else f"waited {_LOCK_TIMEOUT} for a lock"
-    )
-    logger.warning(
-        "migration %04d_%s %s on %s; trying again in %.0f s (the oldest open"
-        " transaction: backend %s, open %s s: %s)",
-        m.version,
-        m.name,
-        why,
-        q.qualified,
-        _RETRY_AFTER,
-        *(oldest if oldest else ("?", "?", "?")),
-        extra={"version": m.version, "outbox": q.qualified},
-    )
-    await asyncio.sleep(_RETRY_AFTER)
-
-
 async def _apply(
     conn: asyncpg.Connection, q: Queries, m: Migration, key: str, *, build_key: str | None = None
 ) -> bool:
@@ -329,14 +287,14 @@ async def _apply(
                     if m.version in await _applied(conn, q):  # another process got here first
                         return False
                     if not nested:
-                        await conn.execute(f"SET LOCAL lock_timeout = '{_LOCK_TIMEOUT}'")
+                        await conn.execute(SET_LOCK_TIMEOUT)
                     await conn.execute(_in_one_transaction(q, m))
                     await _record(conn, q, m)
                     return True
-        except _TRIED_AGAIN as error:
+        except TRIED_AGAIN as error:
             if nested:
                 raise
-            await _lock_refused(conn, q, m, error)
+            await wait_to_try_again(conn, m.version, m.name, q.qualified, error)
             continue
         await asyncio.sleep(POLL)  # a concurrent build runs: tried again, holding nothing
 
@@ -352,14 +310,14 @@ async def _step(
                 await conn.execute(q.advisory_xact_lock, key)
                 if m.version in await _applied(conn, q):  # applied without the build lock
                     return False
-                await conn.execute(f"SET LOCAL lock_timeout = '{_LOCK_TIMEOUT}'")
+                await conn.execute(SET_LOCK_TIMEOUT)
                 if sql is not None:
                     await conn.execute(sql)
                 if last:
                     await _record(conn, q, m)
                 return True
-        except _TRIED_AGAIN as error:
-            await _lock_refused(conn, q, m, error)
+        except TRIED_AGAIN as error:
+            await wait_to_try_again(conn, m.version, m.name, q.qualified, error)
 
 
 async def _apply_in_steps(conn: asyncpg.Connection, q: Queries, m: Migration, key: str) -> bool:
