@@ -27,6 +27,7 @@ from aiohttp.test_utils import TestServer
 
 import aiooutbox
 from aiooutbox.cli.parser import build_parser
+from aiooutbox.observe import Observer
 from aiooutbox.relay import (
     HeldBack,
     KafkaSink,
@@ -39,6 +40,7 @@ from aiooutbox.relay import (
 )
 from aiooutbox.relay._batch import Window
 from tests.clirunner import clean_env, cli
+from tests.helpers import wait_until
 from tests.programs import needs
 from tests.relay.brokers import (
     AMQP_URL,
@@ -50,6 +52,7 @@ from tests.relay.brokers import (
     tansu,
 )
 from tests.relay.common import (
+    RelayProcess,
     kafka_read,
     kafka_topic,
     nats_read,
@@ -557,3 +560,64 @@ async def test_relay_batch_flag_and_the_relays_own_concurrency(
     assert parser.parse_args(["run", "m:h"]).concurrency == 64
     monkeypatch.setenv("AIOOUTBOX_CONCURRENCY", "300")
     assert build_parser().parse_args(["relay"]).concurrency == 300
+
+
+async def test_the_relay_claims_one_batch_at_a_time(pool: asyncpg.Pool, dsn: str, nc: Any) -> None:
+    """``python -m aiooutbox relay`` claims at most ``--batch`` events a claim unless
+    ``--batch-size`` says otherwise (one batch is published while the next is claimed);
+    its start-up line says which. Under a consumer built the same way (concurrency
+    2048, claims of 100), no claim takes more than 100 of a 3,000-event backlog."""
+    js = nc.jetstream()
+    stream, prefix = unique("CLAIMS"), unique("claims.") + "."
+    await nats_stream(js, stream, [prefix + ">"], "memory")
+    try:
+        await aiooutbox.enqueue_many(
+            pool, [aiooutbox.NewEvent(prefix + "a", {"n": i}) for i in range(3000)]
+        )
+        claims = Claims()
+        consumer = aiooutbox.OutboxConsumer(
+            pool, concurrency=2048, batch_size=100, retention=None, observers=[claims]
+        )
+        async with NatsSink(NATS_URL) as sink, consumer:
+            task = asyncio.ensure_future(consumer.run({"*": sink.handler(batch=100)}))
+            await settled_all(pool, 3000)
+            consumer.stop()
+            await task
+        assert sum(claims.sizes) == 3000 and max(claims.sizes) <= 100, claims.sizes
+        # the runner: its default, then the flag, each on its start-up line
+        await aiooutbox.enqueue_many(
+            pool, [aiooutbox.NewEvent(prefix + "b", {"n": i}) for i in range(300)]
+        )
+        relay = RelayProcess(dsn, NATS_URL, "--batch", "100")
+        try:
+            await settled_all(pool, 3300)
+        finally:
+            assert await relay.stop() == 0
+        assert "batches of 100, claims of at most 100 (" in relay.said, relay.said
+        relay = RelayProcess(dsn, NATS_URL, "--batch", "100", "--batch-size", "700")
+        try:
+            await wait_until(_said(relay, "relaying"), 30)
+        finally:
+            assert await relay.stop() == 0
+        assert "batches of 100, claims of at most 700 (" in relay.said, relay.said
+        assert (await js.stream_info(stream)).state.messages == 3300
+    finally:
+        await js.delete_stream(stream)
+
+
+class Claims(Observer):
+    """The rows of each claim that took any."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def claimed(self, rows: int, seconds: float) -> None:
+        if rows:
+            self.sizes.append(rows)
+
+
+def _said(relay: RelayProcess, text: str) -> Any:
+    async def said() -> bool:
+        return text in relay.stderr(None)
+
+    return said

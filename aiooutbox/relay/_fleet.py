@@ -98,7 +98,7 @@ async def relay_many(
                 signals.consumer = _Consumers(members)
                 logger.info(
                     "relaying %s from %d databases (%s) to %s %s as %r with concurrency %d "
-                    "per database, batches of %d (%s)",
+                    "per database, batches of %d, claims of at most %d (%s)",
                     ", ".join(args.topics) if args.topics else "every topic",
                     len(members),
                     ", ".join(f"{m.name}: {redact(m.target.dsn)}" for m in members),
@@ -107,6 +107,7 @@ async def relay_many(
                     sink.destination,
                     args.concurrency,
                     args.batch,
+                    args.consumer_options.claim_size,
                     _settings(args),
                 )
                 status = await _run_all(members, handlers)

@@ -102,30 +102,42 @@ async def fill(
 @dataclass(frozen=True)
 class Relay:
     """A relay variant: the handler its consumer runs under ``"*"``, the consumer's
-    concurrency, and the ordering keys of the events it drains (None: unordered)."""
+    concurrency and claim size (``batch_size``), and the ordering keys of the events it
+    drains (None: unordered)."""
 
     handler: Any
     concurrency: int
     keys: int | None = None
+    batch_size: int | None = None
 
 
 def at_defaults(sink: Sink, keys: int | None = None) -> Relay:
     """The relay as ``python -m aiooutbox relay`` runs it: its batch handler over the
-    sink, its consumer's concurrency."""
-    from aiooutbox.relay._runner import RELAY_CONCURRENCY, relay_handler
+    sink, its consumer's concurrency and claim size."""
+    from aiooutbox.relay._runner import (
+        RELAY_BATCH,
+        RELAY_CONCURRENCY,
+        relay_claim_size,
+        relay_handler,
+    )
 
-    return Relay(relay_handler(sink), RELAY_CONCURRENCY, keys)
+    claim = relay_claim_size(RELAY_BATCH, RELAY_CONCURRENCY)
+    return Relay(relay_handler(sink), RELAY_CONCURRENCY, keys, claim)
 
 
 async def drain(
-    pool: asyncpg.Pool, handlers: dict[str, Any], n: int, concurrency: int = IN_FLIGHT
+    pool: asyncpg.Pool,
+    handlers: dict[str, Any],
+    n: int,
+    concurrency: int = IN_FLIGHT,
+    batch_size: int | None = None,
 ) -> float:
     """Seconds for a consumer to settle ``n`` events, from when it is consuming (schema
     checked, LISTEN connection up: a relay's start-up, like the bare loops' connect, is
     not timed) to the last one."""
     consumer = aiooutbox.OutboxConsumer(
-        pool, concurrency=concurrency, retention=None, poll_interval=0.2,
-        topics=None if "*" in handlers else list(handlers),
+        pool, concurrency=concurrency, batch_size=batch_size, retention=None,
+        poll_interval=0.2, topics=None if "*" in handlers else list(handlers),
     )  # fmt: skip
     async with consumer:
         task = asyncio.ensure_future(consumer.run(handlers))
@@ -234,7 +246,9 @@ async def steady(
         handler = dataclasses.replace(relay.handler, func=timed)
     await reset(pool)
     total = int(rate * seconds)
-    consumer = aiooutbox.OutboxConsumer(pool, concurrency=relay.concurrency, retention=None)
+    consumer = aiooutbox.OutboxConsumer(
+        pool, concurrency=relay.concurrency, batch_size=relay.batch_size, retention=None
+    )
     async with consumer:
         task = asyncio.ensure_future(consumer.run({"*": handler}))
         await consumer.wait_started()
@@ -325,7 +339,9 @@ async def alternate(
         chosen = relays[variant]
         await fill(pool, n, keys=chosen.keys)
         handlers = {"*": chosen.handler}
-        rates[variant].append(n / await drain(pool, handlers, n, chosen.concurrency))
+        rates[variant].append(
+            n / await drain(pool, handlers, n, chosen.concurrency, chosen.batch_size)
+        )
 
     async def bare(variant: str) -> None:
         started = time.perf_counter()
@@ -357,6 +373,7 @@ async def alternate(
         "ratio": round(ratio(medians["relay"], medians[best]), 3),
         "ratios": {v: round(ratio(medians["relay"], medians[v]), 3) for v in bares},
         "relay_concurrency": relays["relay"].concurrency,
+        "relay_batch_size": relays["relay"].batch_size,
     }
     limits: dict[str, Any] = {}
     for mode, variant, clients in (

@@ -136,7 +136,9 @@ async def _paired(
             await fill(pool, n)
             chosen = relays[variant]
             handlers = {"*": chosen.handler}
-            rates[variant].append(n / await drain(pool, handlers, n, chosen.concurrency))
+            rates[variant].append(
+                n / await drain(pool, handlers, n, chosen.concurrency, chosen.batch_size)
+            )
             if between:
                 await between()
         shown = ", ".join(f"{k} {v[-1]:,.0f}/s" for k, v in rates.items())
