@@ -383,6 +383,10 @@ async def test_relay_scenario_runs_at_tiny_sizes(pg_server: str, tmp_path: Path)
     relay = json.loads(paths["json"].read_text())["relay"]
     for name in ("jetstream", "rabbitmq", "kafka", "redis"):
         assert positive(relay[name]["ratio"]), (name, relay[name])
+        # the default claim size against claims of the whole concurrency, both modes
+        for mode in ("unordered", "keyed"):
+            assert positive(relay[name]["limits"][mode]["claims_of_a_batch"]), relay[name]
+        assert len(relay[name]["relay_keyed_whole_claims_per_s"]) == 2, relay[name]
     for name in ("kafka", "redis"):
         row = relay[name]
         assert set(row["ratios"]) == {"tasks", "pipelined"}, row

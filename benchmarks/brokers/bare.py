@@ -125,6 +125,17 @@ def at_defaults(sink: Sink, keys: int | None = None) -> Relay:
     return Relay(relay_handler(sink), RELAY_CONCURRENCY, keys, claim)
 
 
+def with_whole_claims(relays: dict[str, Relay]) -> dict[str, Relay]:
+    """``relays`` and, beside ``relay`` and ``relay_keyed``, each again claiming up to its
+    concurrency at a time (``*_whole_claims``), as the relay did before its claims of a
+    batch: the A/B of that default, in the same rounds."""
+    out = dict(relays)
+    for variant in ("relay", "relay_keyed"):
+        if variant in relays:
+            out[f"{variant}_whole_claims"] = dataclasses.replace(relays[variant], batch_size=None)
+    return out
+
+
 async def drain(
     pool: asyncpg.Pool,
     handlers: dict[str, Any],
@@ -393,6 +404,9 @@ async def alternate(
             "relay_per_s": round(medians[variant]),
             "ratio": round(ratio(medians[variant], bound), 3),
         }
+        whole = f"{variant}_whole_claims"
+        if whole in relays:  # claims of a batch / of the concurrency
+            limits[mode]["claims_of_a_batch"] = round(ratio(medians[variant], medians[whole]), 3)
     out["limits"] = limits
     shown = f"  {name}: relay / bare ({best}) = {out['ratio']:.2f}" + "".join(
         f"; / {v} {r:.2f}" for v, r in out["ratios"].items() if v != best
@@ -403,5 +417,7 @@ async def alternate(
             f"(client {row['client_per_s']:,}, claim+settle {row['claim_settle_per_s']:,}) "
             f"= {row['ratio']:.2f}"
         )
+        if "claims_of_a_batch" in row:
+            shown += f", claims of a batch / whole {row['claims_of_a_batch']:.2f}"
     log(shown)
     return out

@@ -49,6 +49,7 @@ from .bare import (
     in_tasks,
     reset,
     timed_latency,
+    with_whole_claims,
 )
 
 NATS_URL = "nats://127.0.0.1:4222"
@@ -101,7 +102,7 @@ async def jetstream(
     try:
         out = await alternate(
             pool, n, rounds, {"tasks": tasks, "pipelined": pipelined},
-            {"relay": at_defaults(sink), "relay_keyed": at_defaults(sink, KEYS)},
+            with_whole_claims({"relay": at_defaults(sink), "relay_keyed": at_defaults(sink, KEYS)}),
             "jetstream", log, claim_settle=claim_settle,
             keyed_bares={"pipelined_keyed": pipelined_keyed},
         )  # fmt: skip
@@ -150,7 +151,7 @@ async def rabbitmq(
     try:
         out = await alternate(
             pool, n, rounds, {"tasks": tasks, "pipelined": pipelined},
-            {"relay": at_defaults(sink), "relay_keyed": at_defaults(sink, KEYS)},
+            with_whole_claims({"relay": at_defaults(sink), "relay_keyed": at_defaults(sink, KEYS)}),
             "rabbitmq", log, purge, claim_settle=claim_settle,
             keyed_bares={"pipelined_keyed": pipelined_keyed},
         )  # fmt: skip

@@ -64,6 +64,7 @@ from .bare import (
     in_tasks,
     reset,
     timed_latency,
+    with_whole_claims,
 )
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -171,6 +172,7 @@ async def _measure(
     if bares:
         assert claim_settle is not None
         relays["relay_keyed"] = at_defaults(on, KEYS)
+        relays = with_whole_claims(relays)
         out = await alternate(
             pool, n, rounds, bares, relays, name, log, between,
             claim_settle=claim_settle, keyed_bares=keyed_bares,
