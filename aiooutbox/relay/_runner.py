@@ -52,11 +52,12 @@ RELAY_CONCURRENCY = 2048
 
 def relay_claim_size(batch: int, concurrency: int) -> int:
     """The relay's default ``batch_size``: a claim takes one publish call's worth of
-    events (an ordered key's head brings its run). The claim's events are being
-    published while the next claim runs, where claims of ``concurrency`` left the broker
-    idle during each claim and the database idle during each wave of publishes (20,000
-    events, alternated rounds: 1.12-1.15x unordered into Kafka and JetStream, 1.12-1.17x
-    over 1,000 keys into Kafka, Redis and JetStream; docs/benchmarks-history.md)."""
+    events (an ordered key's head brings its run), published while the next claim runs.
+    Claims of ``concurrency`` left the broker idle during each claim and the database
+    idle during each wave of publishes: over 1,000 keys claims of a batch drained
+    1.08-1.17x faster into Kafka, 1.15-1.18x into Redis (docs/benchmarks-history.md,
+    "The relay claims a batch at a time"). A consumer that waits on nothing outside the
+    database drains faster with larger claims, so this is the relay's default only."""
     return min(batch, concurrency)
 
 
