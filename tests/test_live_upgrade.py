@@ -364,6 +364,9 @@ async def test_a_migration_chosen_to_end_a_deadlock_is_tried_again(
     try:
         await migrate_to(conn, 17)
         flow = await conn.fetchval("SELECT 'outbox_events_flow'::regclass::oid")
+        # the holder never runs the deadlock check itself: the migration, waiting
+        # first, finds the cycle a second into its wait (deadlock_timeout)
+        await holder.execute("SET deadlock_timeout = '60s'")
         await holder.execute("BEGIN; LOCK TABLE outbox_events_flow IN ROW SHARE MODE")
         migrate_pid = await conn.fetchval("SELECT pg_backend_pid()")
         with caplog.at_level(logging.WARNING, logger="aiooutbox.migrations"):

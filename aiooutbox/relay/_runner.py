@@ -186,14 +186,14 @@ def add_relay_command(commands: Any, prog: str) -> None:
         "this (env AIOOUTBOX_RELAY_CLOCK_SKEW; default 60s)",
     )
     add_consumer_options(relay, topics_help="default: every topic in the outbox")
-    _relay_concurrency(relay)
+    _relay_defaults(relay)
     add_listen_options(relay)
     add_metrics_options(relay)
     add_database_options(relay, many=True)
     add_logging_options(relay, "info")
 
 
-def _relay_concurrency(relay: argparse.ArgumentParser) -> None:
+def _relay_defaults(relay: argparse.ArgumentParser) -> None:
     """The relay's own defaults: ``--concurrency`` several batches in flight, and
     ``--batch-size`` one batch a claim (set in `cmd_relay`, which knows ``--batch``)."""
     for action in relay._actions:
