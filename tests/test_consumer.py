@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -492,6 +493,36 @@ async def test_delayed_event_runs_when_due_not_at_next_poll(pool: asyncpg.Pool) 
         await aiooutbox.enqueue(pool, "x", {}, delay=timedelta(seconds=1))
         await wait_until(lambda: _truthy(ran), timeout=10)
     assert 0.9 <= ran[0] - sent < 5
+
+
+async def test_a_failed_idle_advertisement_is_retried_not_waited_out(
+    pool: asyncpg.Pool, dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Producers notify only consumers advertised idle. When the advertisement cannot
+    be written (the database did not answer in time: here the idle table is locked), the
+    consumer is not advertised, so it looks again after a short backoff: an event
+    committed then runs within seconds, not after the 30 s poll."""
+    ran: list[float] = []
+
+    async def handle(event: aiooutbox.Event) -> None:
+        ran.append(time.monotonic())
+
+    locker = await asyncpg.connect(dsn)
+    try:
+        await locker.execute("BEGIN; LOCK TABLE outbox_events_idle IN ACCESS EXCLUSIVE MODE")
+        consumer = aiooutbox.OutboxConsumer(pool, poll_interval=30, statement_timeout=1)
+        with caplog.at_level(logging.DEBUG, logger="aiooutbox.consumer"):
+            async with running(consumer, {"x": handle}):
+                await wait_until(
+                    lambda: _truthy("idle advertisement failed" in caplog.text), timeout=20
+                )
+                await locker.execute("COMMIT")
+                sent = time.monotonic()
+                await aiooutbox.enqueue(pool, "x", {})
+                await wait_until(lambda: _truthy(ran), timeout=20)
+    finally:
+        await locker.close()
+    assert ran[0] - sent < 10, ran[0] - sent  # the poll would be 24-36 s
 
 
 async def test_graceful_stop_lets_running_handlers_finish(pool: asyncpg.Pool) -> None:

@@ -27,6 +27,7 @@ from ..observe import Observers
 from .claim_window import OPEN, Arrivals, ClaimWindow, Marks
 from .groups import GROUPS_PER_CLAIM, PROBE_GROUPS, GroupCursor
 from .handoff import Handoff, Run, runs_of
+from .idle import declare
 from .leases import Leases
 from .listener import Listener
 from .options import RUN_ROWS_PER_HEAD, ConsumerOptions, run_length
@@ -109,6 +110,7 @@ class Dispatcher:
     async def _run(self, handoff: Handoff[Run]) -> None:
         o, s, signals = self._o, self._stats, self._signals
         backoff = 0.05
+        unadvertised = min(0.05, o.poll_interval)  # the wait after an advertisement failed
         linger = 0
         idle = False
         advertised_on = -1  # the listener connection (reconnect count) idle was declared on
@@ -220,24 +222,36 @@ class Dispatcher:
             self.marks.renew()
             self._flow.forget_topics()
             await self._conn.release()
-            if o.listen and not idle and self._listening:
+            advertising = (
+                o.listen
+                and self._listening
+                and (
+                    not idle
+                    or time.monotonic() - advertised_at > o.poll_interval / 2
+                    or advertised_flow != self._flow.version
+                )
+            )
+            if advertising:
                 # advertise, then look once more: an insert that committed before the
-                # advertisement saw no idle consumer and sent no notification
-                advertised_flow = self._flow.version
+                # advertisement saw no idle consumer and sent no notification. Refresh
+                # it well before it expires (it lives 2 x poll_interval + 5 s), and when
+                # a pause changed the topics it names.
+                was_idle, advertised_flow = idle, self._flow.version
                 idle = await self._declare(busy=False)
                 if idle:
                     advertised_on = listener.reconnects if listener is not None else -1
                     advertised_at = time.monotonic()
+                    unadvertised = min(0.05, o.poll_interval)
+                    if not was_idle:
+                        continue
+                else:
+                    # not advertised (the database did not answer): no producer will
+                    # notify us, so look again after a backoff, not a poll interval
+                    await wait_any(
+                        (signals.stop, signals.wake), unadvertised * random.uniform(0.5, 1.5)
+                    )
+                    unadvertised = min(unadvertised * 2, o.poll_interval)
                     continue
-            elif idle and (
-                time.monotonic() - advertised_at > o.poll_interval / 2
-                or advertised_flow != self._flow.version
-            ):
-                # refresh it well before it expires (it lives 2 x poll_interval + 5 s),
-                # and when a pause changed the topics it names
-                advertised_flow = self._flow.version
-                idle = await self._declare(busy=False)
-                advertised_at = time.monotonic()
             await wait_for(signals.wake.wait(), await self._idle_timeout(idle))
 
     async def _listener_back(self, listener: Listener) -> bool:
@@ -459,22 +473,3 @@ class Dispatcher:
             logger.debug("idle advertisement failed: %s", exception_message(exc))
             return busy
         return not busy
-
-
-async def declare(
-    pool: asyncpg.Pool, o: ConsumerOptions, topics: list[str] | None, *, busy: bool
-) -> None:
-    """Write (or delete) this consumer's row in the idle table; ``None`` topics = all."""
-    q = o.queries
-    if busy:
-        await bounded(pool, "execute", q.declare_busy, o.worker_id, timeout=o.statement_timeout)
-        return
-    await bounded(
-        pool,
-        "execute",
-        q.declare_idle,
-        o.worker_id,
-        topics if topics is not None else ["*"],
-        o.poll_interval * 2 + 5.0,
-        timeout=o.statement_timeout,
-    )

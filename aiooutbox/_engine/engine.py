@@ -25,9 +25,10 @@ from ..handlers import Handler
 from ..observe import Observers
 from .batch_run import BatchExecutor, batch_worker
 from .batches import BatchHandoff, Slots
-from .dispatcher import Dispatcher, declare
+from .dispatcher import Dispatcher
 from .executor import Executor
 from .handoff import Handoff, Run, Ticket
+from .idle import declare
 from .leases import Leases
 from .listener import Listener
 from .maintenance import Maintenance
