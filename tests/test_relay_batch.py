@@ -27,7 +27,6 @@ from aiohttp.test_utils import TestServer
 
 import aiooutbox
 from aiooutbox.cli.parser import build_parser
-from aiooutbox.observe import Observer
 from aiooutbox.relay import (
     HeldBack,
     KafkaSink,
@@ -61,6 +60,7 @@ from tests.relay.common import (
     relaying,
     unique,
 )
+from tests.test_flow_claims import Claims
 from tests.test_relay_refusals import SETTLE_WITHIN, enqueue, settled
 
 KEYS, PER_KEY = 8, 6
@@ -603,17 +603,6 @@ async def test_the_relay_claims_one_batch_at_a_time(pool: asyncpg.Pool, dsn: str
         assert (await js.stream_info(stream)).state.messages == 3300
     finally:
         await js.delete_stream(stream)
-
-
-class Claims(Observer):
-    """The rows of each claim that took any."""
-
-    def __init__(self) -> None:
-        self.sizes: list[int] = []
-
-    def claimed(self, rows: int, seconds: float) -> None:
-        if rows:
-            self.sizes.append(rows)
 
 
 def _said(relay: RelayProcess, text: str) -> Any:
