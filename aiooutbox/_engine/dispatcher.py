@@ -110,7 +110,8 @@ class Dispatcher:
     async def _run(self, handoff: Handoff[Run]) -> None:
         o, s, signals = self._o, self._stats, self._signals
         backoff = 0.05
-        unadvertised = min(0.05, o.poll_interval)  # the wait after an advertisement failed
+        # the wait after an advertisement failed, doubling up to the poll interval
+        unadvertised = first_unadvertised = min(0.05, o.poll_interval)
         linger = 0
         idle = False
         advertised_on = -1  # the listener connection (reconnect count) idle was declared on
@@ -241,7 +242,7 @@ class Dispatcher:
                 if idle:
                     advertised_on = listener.reconnects if listener is not None else -1
                     advertised_at = time.monotonic()
-                    unadvertised = min(0.05, o.poll_interval)
+                    unadvertised = first_unadvertised
                     if not was_idle:
                         continue
                 else:
