@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Callable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from ._values.limits import check_count, check_seconds, check_topic_name
@@ -53,6 +53,9 @@ class Handler:
     the failed events' ids to exceptions (docs/batches.md). ``linger`` (seconds, batch
     handlers only) lets a call wait up to that long for a batch to fill; 0 calls it at
     once with what is there.
+
+    Checked when it is made: a function that is not async or an option out of range
+    raises there (`TypeError`, `InvalidArgument`), and a ``timedelta`` becomes seconds.
     """
 
     #: a `HandlerFunc`, or with ``batch`` a `BatchHandlerFunc`
@@ -67,6 +70,12 @@ class Handler:
     #: None: ``func`` takes one event; N: it takes a list of up to N events
     batch: int | None = None
     linger: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_func(self.func, self.batch, "the handler")
+        options = (self.retry, self.timeout, self.on_dead, self.batch, self.linger)
+        for name, value in _checked_options(*options, "").items():
+            object.__setattr__(self, name, value)  # frozen: a timedelta made seconds
 
 
 class Router(Mapping[str, Handler]):
@@ -116,7 +125,7 @@ class Router(Mapping[str, Handler]):
         """
 
         def register(func: B) -> B:
-            self._add(topic, Handler(func, retry, timeout, on_dead, size, linger))
+            self._add(topic, _made(topic, func, retry, timeout, on_dead, size, linger))
             return func
 
         return register
@@ -130,13 +139,12 @@ class Router(Mapping[str, Handler]):
         timeout: float | None = None,
         on_dead: Literal["skip", "block"] = "skip",
     ) -> None:
-        self._add(topic, Handler(func, retry, timeout, on_dead))
+        self._add(topic, _made(topic, func, retry, timeout, on_dead))
 
     def _add(self, topic: str, handler: Handler) -> None:
-        _check_topic(topic)
         if topic in self._handlers:
             raise InvalidArgument(f"topic {topic!r} already has a handler")
-        self._handlers[topic] = _check_handler(topic, handler)
+        self._handlers[topic] = handler
 
     def __getitem__(self, topic: str) -> Handler:
         return self._handlers[topic]
@@ -163,36 +171,55 @@ def _check_topic(topic: object) -> None:
     check_topic_name(topic, "handler topic")
 
 
-def _check_handler(topic: str, handler: Handler) -> Handler:
-    if not callable(handler.func) or not _is_async_callable(handler.func):
-        shape = "handler(event) -> None" if handler.batch is None else "handler(events) -> None"
-        raise TypeError(
-            f"the handler for {topic!r} must be an async function "
-            f"(async def {shape}), got {handler.func!r}"
-        )
-    if handler.retry is not None and not isinstance(handler.retry, RetryPolicy):
-        raise TypeError(f"retry for {topic!r} must be a RetryPolicy, got {handler.retry!r}")
-    if handler.timeout is not None:
-        # the same bounds as the consumer's handler_timeout; a timedelta becomes seconds
-        seconds = check_seconds(f"timeout for {topic!r}", handler.timeout, minimum=0.001)
-        if type(handler.timeout) is not float:
-            handler = replace(handler, timeout=seconds)
-    if handler.on_dead not in ("skip", "block"):
-        raise InvalidArgument(
-            f"on_dead for {topic!r} must be 'skip' or 'block', got {handler.on_dead!r}"
-        )
-    if handler.batch is not None:
-        check_count(f"batch for {topic!r}", handler.batch, 1, MAX_BATCH)
-    if type(handler.linger) is not float or handler.linger != 0.0:
-        seconds = check_seconds(f"linger for {topic!r}", handler.linger, maximum=MAX_LINGER)
-        if handler.batch is None and seconds:
+def _check_func(func: object, batch: object, what: str) -> None:
+    if not callable(func) or not _is_async_callable(func):
+        shape = "handler(event) -> None" if batch is None else "handler(events) -> None"
+        raise TypeError(f"{what} must be an async function (async def {shape}), got {func!r}")
+
+
+def _checked_options(
+    retry: object, timeout: object, on_dead: object, batch: object, linger: object, where: str
+) -> dict[str, float]:
+    """Refuse a handler's options out of range; return those made seconds (a
+    ``timedelta``, an int). ``where`` names its topic in the messages, if known."""
+    made: dict[str, float] = {}
+    if retry is not None and not isinstance(retry, RetryPolicy):
+        raise TypeError(f"retry{where} must be a RetryPolicy, got {retry!r}")
+    if timeout is not None:
+        # the same bounds as the consumer's handler_timeout
+        seconds = check_seconds(f"timeout{where}", timeout, minimum=0.001)
+        if type(timeout) is not float:
+            made["timeout"] = seconds
+    if on_dead not in ("skip", "block"):
+        raise InvalidArgument(f"on_dead{where} must be 'skip' or 'block', got {on_dead!r}")
+    if batch is not None:
+        check_count(f"batch{where}", batch, 1, MAX_BATCH)
+    if type(linger) is not float or linger != 0.0:
+        seconds = check_seconds(f"linger{where}", linger, maximum=MAX_LINGER)
+        if batch is None and seconds:
             raise InvalidArgument(
-                f"linger for {topic!r} applies to batch handlers only (Handler(fn, batch=N, "
-                "linger=...))"
+                f"linger{where} applies to batch handlers only (Handler(fn, batch=N, linger=...))"
             )
-        if type(handler.linger) is not float:
-            handler = replace(handler, linger=seconds)
-    return handler
+        if type(linger) is not float:
+            made["linger"] = seconds
+    return made
+
+
+def _made(
+    topic: object,
+    func: Any,
+    retry: RetryPolicy | None = None,
+    timeout: float | None = None,
+    on_dead: Literal["skip", "block"] = "skip",
+    batch: int | None = None,
+    linger: float = 0.0,
+) -> Handler:
+    """``Handler(func, ...)`` registered for ``topic``: its errors name the topic."""
+    _check_topic(topic)
+    where = f" for {topic!r}"
+    _check_func(func, batch, f"the handler{where}")
+    _checked_options(retry, timeout, on_dead, batch, linger, where)
+    return Handler(func, retry, timeout, on_dead, batch, linger)
 
 
 class _Resolved(dict[str, Handler]):
@@ -218,6 +245,6 @@ def resolve_handlers(handlers: object) -> dict[str, Handler]:
     resolved = _Resolved()
     for topic, value in handlers.items():
         _check_topic(topic)
-        handler = value if isinstance(value, Handler) else Handler(value)
-        resolved[topic] = _check_handler(topic, handler)
+        # a `Handler` was checked when it was made; a function is made one here
+        resolved[topic] = value if isinstance(value, Handler) else _made(topic, value)
     return resolved

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -469,23 +470,45 @@ async def fn(events: list[aiooutbox.Event]) -> None:
 @pytest.mark.parametrize(
     ("make", "error", "says"),
     [
-        (lambda: Handler(fn, batch=0), aiooutbox.InvalidArgument, "batch for 't'"),
-        (lambda: Handler(fn, batch=True), TypeError, "batch for 't' must be an int"),
+        (lambda: Handler(fn, batch=0), aiooutbox.InvalidArgument, "batch must be between 1 and"),
+        (lambda: Handler(fn, batch=True), TypeError, "batch must be an int"),
         (lambda: Handler(fn, batch=2.5), TypeError, "must be an int"),  # type: ignore[arg-type]
         (lambda: Handler(fn, batch=10, linger=-1), aiooutbox.InvalidArgument, "linger"),
+        (lambda: Handler(fn, batch=10, linger=math.nan), aiooutbox.InvalidArgument, "linger"),
         (lambda: Handler(fn, batch=10, linger="1"), TypeError, "linger"),  # type: ignore[arg-type]
         (lambda: Handler(fn, linger=0.5), aiooutbox.InvalidArgument, "batch handlers only"),
         # not async
         (lambda: Handler(lambda events: None, batch=10), TypeError, "handler\\(events\\)"),  # type: ignore[arg-type, return-value]
+        # in a router, or given to run as a plain function: the messages name the topic
+        (
+            lambda: aiooutbox.Router().batch("t", size=0)(fn),
+            aiooutbox.InvalidArgument,
+            "batch for 't'",
+        ),
+        (
+            lambda: aiooutbox.Router().batch("t", size=5, linger=99)(fn),
+            aiooutbox.InvalidArgument,
+            "linger for 't'",
+        ),
     ],
 )
-async def test_bad_batch_handlers_are_refused_before_anything_is_written(
-    pool: asyncpg.Pool, make: Callable[[], Handler], error: type[Exception], says: str
+def test_bad_batch_handlers_are_refused_when_made(
+    make: Callable[[], object], error: type[Exception], says: str
 ) -> None:
+    with pytest.raises(error, match=says):
+        make()
+
+
+async def test_a_plain_function_that_is_not_async_is_refused_by_run_before_anything_is_written(
+    pool: asyncpg.Pool,
+) -> None:
+    def not_async(events: list[aiooutbox.Event]) -> None:
+        return None
+
     consumer = consumer_of(pool)
     async with consumer:
-        with pytest.raises(error, match=says):
-            await consumer.run({"t": make()})
+        with pytest.raises(TypeError, match="the handler for 't' must be an async function"):
+            await consumer.run({"t": not_async})  # type: ignore[dict-item]
     assert await pool.fetchval("SELECT count(*) FROM outbox_events_all") == 0
 
 
