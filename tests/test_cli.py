@@ -136,6 +136,12 @@ async def test_bad_input_gets_a_short_message_and_writes_nothing(
         (["run", f"{HANDLERS}:empty", *d], {}, 2, ("empty",)),
         (["run", f"{HANDLERS}:bad_factory", *d], {}, 1, ("LookupError: no configuration",)),
         (["run", "tests.cli_broken_handlers:handlers", *d], {}, 2, ("ZeroDivisionError",)),
+        (
+            ["run", "tests.cli_bad_batch_handlers:handlers", *d],
+            {},
+            2,
+            ("batch must be between 1 and 100000, got 0", "cli_bad_batch_handlers.py:11)"),
+        ),
         (["run", f"{HANDLERS}:handlers", "--topics", "nope", *d], {}, 2, ("--topics nope",)),
         (["run", f"{HANDLERS}:handlers", *d], {"AIOOUTBOX_CONCURRENCY": "many"}, 2, ("$AIOO",)),
         (["run", f"{HANDLERS}:handlers", "--prefetch", "-1", *d], {}, 2, ("0 or more",)),

@@ -40,15 +40,23 @@ __all__ = ["Stoppable", "Telemetry", "cmd_run", "load_handlers", "telemetry"]
 logger = logging.getLogger("aiooutbox.cli")
 
 
+#: this package's files: a check of ours that refused the user's value is not where the
+#: user's mistake is (a bad ``aiooutbox.Handler(...)`` in their module)
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
 def _where(exc: BaseException) -> str:
     """Where it went wrong: the offending line of a syntax error, else the last frame
-    outside the import machinery."""
+    outside the import machinery and, if there is one, outside this package."""
     if isinstance(exc, SyntaxError) and exc.filename:
         text = (exc.text or "").strip()
         return f" at {exc.filename}:{exc.lineno}" + (f": {text}" if text else "")
     frames = [
         f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen")
     ]
+    # nor generated code (a dataclass's ``__init__`` is "<string>")
+    theirs = [f for f in frames if not f.filename.startswith((_PACKAGE, "<"))]
+    frames = theirs or frames
     return f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
 
