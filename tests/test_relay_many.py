@@ -419,20 +419,31 @@ async def _through_gamma_outage(
 
 
 # -- a JetStream cluster loses its stream leader ----------------------------------------------
+#: how long a new cluster may take to place a stream: its meta leader refuses ("no
+#: suitable peers for placement") until it has heard from every peer. Here that took
+#: 10.8-11.3 s in 8 runs beside two CPU hogs, and over 30 s once in CI beside the suite
+CLUSTER_FORMS_WITHIN = 120.0
+
+
 async def _cluster_stream(js: Any, name: str, subjects: list[str]) -> None:
-    """A file stream with 3 replicas, once the cluster has elected its meta leader."""
+    """A file stream with 3 replicas, once the cluster can place it."""
     from nats.js.api import StorageType, StreamConfig
 
     config = StreamConfig(name=name, subjects=subjects, storage=StorageType.FILE, num_replicas=3)
-    deadline = time.monotonic() + 30
+    started = time.monotonic()
     while True:
         try:
             await js.add_stream(config)
-            return
         except Exception as exc:  # no meta leader yet: timeout or "no suitable peers"
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no stream on the cluster after 30 s: {exc}") from exc
+            waited = time.monotonic() - started
+            if waited > CLUSTER_FORMS_WITHIN:
+                raise AssertionError(
+                    f"no stream on the cluster after {waited:.0f} s: {exc}"
+                ) from exc
             await asyncio.sleep(0.5)
+        else:
+            print(f"the cluster placed stream {name} {time.monotonic() - started:.1f}s after start")
+            return
 
 
 async def _stream_ids(js: Any, stream: str, subject: str, expect: int) -> list[str]:
@@ -476,6 +487,7 @@ async def _stream_info(js: Any, name: str) -> Any:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(120 + CLUSTER_FORMS_WITHIN)  # 27-30 s when the cluster forms in ~11 s
 @needs("nats-server")
 async def test_jetstream_cluster_loses_the_stream_leader_midrelay(
     dsn: str, pool: asyncpg.Pool
