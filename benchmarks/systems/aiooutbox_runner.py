@@ -11,6 +11,7 @@ from typing import Any
 import asyncpg
 
 import aiooutbox
+from aiooutbox._sql.lock_waits import TRIED_AGAIN
 from aiooutbox._sql.plans import hot_path_plans
 from aiooutbox._sql.statements import queries
 
@@ -24,6 +25,7 @@ NAME = "aiooutbox"
 DEFAULT_SETTINGS: dict[str, Any] = {"concurrency": 500, "pool_size": 6, "prefetch": 1500}
 
 _CHUNK = 100_000
+_TRUNCATE_TRIES = 10
 # what a producer may not write (migration 0013's insert check refuses it)
 _CONSUMER_COLUMNS = {
     "status", "attempts", "locked_by", "locked_at", "lease_expires_at", "finished_at",
@@ -71,13 +73,24 @@ class System:
                 for table in (self.q.qualified, self.q.done_table):
                     await conn.execute(f"DELETE FROM {table} WHERE id > $1", self.history_max_id)
             else:
-                await conn.execute(
-                    f"TRUNCATE {self.q.qualified}, {self.q.done_table} RESTART IDENTITY"
-                )
-            await conn.execute(f"TRUNCATE {self.q.idle_table}")
+                await self._truncate(conn, f"{self.q.qualified}, {self.q.done_table}")
+            await self._truncate(conn, self.q.idle_table)
             await conn.execute(f"VACUUM (ANALYZE) {self.q.qualified}, {self.q.done_table}")
         finally:
             await conn.close()
+
+    @staticmethod
+    async def _truncate(conn: asyncpg.Connection, tables: str) -> None:
+        """TRUNCATE, tried again when the server ends it to break a deadlock: an open
+        dashboard's queries read these tables while the drain beside it resets them."""
+        for tries_left in range(_TRUNCATE_TRIES - 1, -1, -1):
+            try:
+                await conn.execute(f"TRUNCATE {tables} RESTART IDENTITY")
+                return
+            except TRIED_AGAIN:
+                if not tries_left:
+                    raise
+                await asyncio.sleep(0.1)
 
     async def load(self, n: int, *, history: bool = False, traceparent: bool = False) -> None:
         """Insert ``n`` no-op events (or ``done`` history rows) with plain SQL, then
