@@ -192,6 +192,27 @@ async def test_a_mapping_fails_only_the_events_it_names(pool: asyncpg.Pool) -> N
 # -- results that are refused: never a silent success ----------------------------------------
 
 
+class _Raising:
+    """A key whose comparison raises (a user's odd key type)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("no comparing me")
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+
+class _RaisingClass:
+    """A value whose ``__class__`` raises (an unbound lazy proxy, say)."""
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        raise RuntimeError("unbound proxy")
+
+
 @pytest.mark.parametrize(
     ("result", "says"),
     [
@@ -201,6 +222,9 @@ async def test_a_mapping_fails_only_the_events_it_names(pool: asyncpg.Pool) -> N
         (None, "not exception instances"),
         ([1, 2], "returned list"),
         (True, "returned bool"),
+        ("float id", "not in the batch"),  # 1.0 == 1, but an id is an int
+        ("raising key", "not in the batch"),
+        ("raising value", "could not be read"),
     ],
 )
 async def test_a_result_that_is_not_the_contract_fails_the_whole_batch(
@@ -211,6 +235,12 @@ async def test_a_result_that_is_not_the_contract_fails_the_whole_batch(
     async def handle_orders(events: list[aiooutbox.Event]) -> Any:
         if result == "foreign":
             return {max(ids) + 1000: ValueError("x")}
+        if result == "float id":
+            return {float(events[0].id): ValueError("x")}
+        if result == "raising key":
+            return {_Raising(events[0].id): ValueError("x")}
+        if result == "raising value":
+            return {events[0].id: _RaisingClass()}
         if isinstance(result, list | bool):
             return result
         return {events[0].id: result}

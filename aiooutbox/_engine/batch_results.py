@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
 
 import anyio
 
@@ -43,38 +42,21 @@ def repr_of(value: object) -> str:
 
 def check_result(
     pool: Pool, result: object, started: list[ClaimedRow]
-) -> tuple[dict[Any, Any] | None, BaseException | None, BaseException | None]:
+) -> tuple[dict[int, BaseException] | None, BaseException | None, BaseException | None]:
     """The handler's mapping as (failures, None, a fatal one among them); or, when
     it is not a valid result, (None, the error every event fails with, None)."""
-    what = None
-    failures: dict[Any, Any] = {}
+    failures: dict[int, BaseException] = {}
     fatal: BaseException | None = None
-    if not isinstance(result, Mapping):
-        what = f"returned {type(result).__name__} {repr_of(result)}"
-    else:
-        try:
-            failures = dict(result)
-        except Exception as exc:
-            what = f"returned a mapping that could not be read ({describe_exception(exc)})"
-    if what is None and failures:
-        ids = {row.id for row in started}
-        foreign = [k for k in failures if isinstance(k, bool) or k not in ids]
-        odd = [k for k, v in failures.items() if not isinstance(v, BaseException)]
-        if foreign:
-            shown = ", ".join(repr_of(k) for k in foreign[:_SHOWN_IDS])
-            what = f"named {len(foreign)} id(s) not in the batch: {shown}"
-        elif odd:
-            k = odd[0]
-            what = (
-                f"mapped {len(odd)} event(s) to values that are not exception "
-                f"instances (event {k}: {repr_of(failures[k])})"
-            )
-        else:
+    try:
+        what = _read(result, {row.id for row in started}, failures)
+        if what is None:
             cancelled = anyio.get_cancelled_exc_class()
             fatal = next(
                 (v for v in failures.values() if not isinstance(v, (Exception, cancelled))),
                 None,
             )
+    except Exception as exc:  # the user's objects raised while they were read
+        what = f"returned a value that could not be read ({describe_exception(exc)})"
     if what is None:
         return failures, None, fatal
     message = (
@@ -84,6 +66,32 @@ def check_result(
     )
     logger.error("%s", message, extra={"topic": pool.topic, "handler": name_of(pool.handler.func)})
     return None, TypeError(message), None
+
+
+def _read(result: object, ids: set[int], failures: dict[int, BaseException]) -> str | None:
+    """Fill ``failures`` from the handler's result, keyed by plain ints; None if the
+    result is valid, else what is wrong with it. May raise (the user's objects)."""
+    if not isinstance(result, Mapping):
+        return f"returned {type(result).__name__} {repr_of(result)}"
+    try:
+        items = list(dict(result).items())
+    except Exception as exc:
+        return f"returned a mapping that could not be read ({describe_exception(exc)})"
+    # an id is an int (`event.id`): not True, not 1.0, which would name event 1 too
+    foreign = [k for k, _ in items if not isinstance(k, int) or isinstance(k, bool)]
+    foreign += [k for k, _ in items if k not in foreign and int(k) not in ids]
+    if foreign:
+        shown = ", ".join(repr_of(k) for k in foreign[:_SHOWN_IDS])
+        return f"named {len(foreign)} id(s) not in the batch: {shown}"
+    odd = [(k, v) for k, v in items if not isinstance(v, BaseException)]
+    if odd:
+        k, v = odd[0]
+        return (
+            f"mapped {len(odd)} event(s) to values that are not exception instances "
+            f"(event {k}: {repr_of(v)})"
+        )
+    failures.update((int(k), v) for k, v in items)
+    return None
 
 
 def log_failures(

@@ -29,33 +29,18 @@ from .._values.text import exception_repr, safe_text
 from ..errors import Dead, Retry
 from ..events import Event, _EventBuilder
 from ..handlers import Handler
+from .batch_payloads import Undecodable, decode_all, decode_each
 from .batch_results import check_result, log_failures
 from .batches import BatchHandoff, Pool, Slots
-from .executor import _THREAD_DECODE_CHARS, Executor, _reason, describe
+from .executor import Executor, _reason, describe
 from .handoff import Ticket
-from .rows import ClaimedRow, Outcome, Settlement, from_epoch, getter
+from .rows import ClaimedRow, Outcome, Settlement, from_epoch
 
 __all__ = ["BatchExecutor", "batch_worker"]
 
 logger = logging.getLogger("aiooutbox.consumer")
 
 _SHOWN_IDS = 20  # event ids named in a log line about a batch
-_FAILED: Any = object()  # a payload that could not be decoded (its failure is recorded)
-_PAYLOAD = getter("payload")
-
-
-def _payloads(rows: list[ClaimedRow]) -> list[Any] | None:
-    """Every row's payload decoded by the default decoder in one call (stored jsonb
-    text is always valid JSON; one call costs a fraction of one per row); None when a
-    payload is large enough for a thread, or the decoder refused the whole."""
-    texts = list(map(_PAYLOAD, rows))
-    if max(map(len, texts), default=0) > _THREAD_DECODE_CHARS:
-        return None
-    try:
-        payloads: list[Any] = decode_json("[" + ",".join(texts) + "]")
-    except Exception:
-        return None
-    return payloads if len(payloads) == len(rows) else None
 
 
 class BatchExecutor(Executor):
@@ -194,12 +179,18 @@ class BatchExecutor(Executor):
         failed as a per-event handler's would be (its key's later events wait)."""
         events: list[Event] = []
         started: list[ClaimedRow] = []
-        payloads = _payloads(rows) if self._decode is decode_json else None
+        payloads = decode_all(rows) if self._decode is decode_json else None
         if payloads is None:
-            payloads = await self._each_payload(rows, stopped)
+            try:
+                payloads = await decode_each(rows, self._decode)
+            except anyio.get_cancelled_exc_class():
+                # a hurried stop: each key's first event released, its later ones given back
+                self._release(rows, set())
+                raise
         new, builder, event_class = object.__new__, _EventBuilder, Event
         last_created = None
         created_at = None
+        keys_in: set[str] = set()  # keys with an event in the batch already
         for row, payload in zip(rows, payloads, strict=True):
             (
                 row_id,
@@ -217,9 +208,11 @@ class BatchExecutor(Executor):
                 grp,
                 again,
             ) = row
-            if payload is _FAILED or (key is not None and key in stopped):
-                if payload is not _FAILED:
-                    self.give_back([row])
+            if key is not None and key in stopped:
+                self.give_back([row])
+                continue
+            if type(payload) is Undecodable:
+                self._undecodable(row, payload.error, Outcome.RETRY, stopped, keys_in)
                 continue
             if head_text == "{}":  # the usual headers: none
                 headers = {}
@@ -227,13 +220,15 @@ class BatchExecutor(Executor):
                 try:
                     headers = decode_json(head_text)
                 except Exception as exc:
-                    self._undecodable(row, exc, Outcome.RETRY, stopped)
+                    self._undecodable(row, exc, Outcome.RETRY, stopped, keys_in)
                     continue
                 if not isinstance(headers, dict):
                     # only a raw SQL producer can store this; no retry will change it
                     error = ValueError("headers must be a JSON object")
-                    self._undecodable(row, error, Outcome.DEAD, stopped)
+                    self._undecodable(row, error, Outcome.DEAD, stopped, keys_in)
                     continue
+            if key is not None:
+                keys_in.add(key)
             if created != last_created:  # one conversion for events enqueued together
                 created_at = from_epoch(created)
                 last_created = created
@@ -259,38 +254,27 @@ class BatchExecutor(Executor):
             started.append(row)
         return events, started
 
-    async def _each_payload(self, rows: list[ClaimedRow], stopped: set[str]) -> list[Any]:
-        """Each row's payload decoded on its own (a decoder of the user's, a large one in
-        a thread); `_FAILED` for a row whose failure is recorded."""
-        decode = self._decode
-        payloads: list[Any] = []
-        for i, row in enumerate(rows):
-            key = row.ordering_key
-            if key is not None and key in stopped:
-                payloads.append(None)  # given back by the caller
-                continue
-            try:
-                if len(row.payload) > _THREAD_DECODE_CHARS:
-                    payloads.append(await anyio.to_thread.run_sync(decode, row.payload))
-                else:
-                    payloads.append(decode(row.payload))
-            except anyio.get_cancelled_exc_class():
-                # a hurried stop: what is not failed yet is released (each key's first)
-                kept = [r for r, p in zip(rows, payloads, strict=False) if p is not _FAILED]
-                self._release(kept + rows[i:], stopped)
-                raise
-            except Exception as exc:
-                self._undecodable(row, exc, Outcome.RETRY, stopped)
-                payloads.append(_FAILED)
-        return payloads
-
     def _undecodable(
-        self, row: ClaimedRow, exc: Exception, outcome: Outcome, stopped: set[str]
+        self,
+        row: ClaimedRow,
+        exc: Exception,
+        outcome: Outcome,
+        stopped: set[str],
+        keys_in: set[str],
     ) -> None:
+        """Fail a row whose payload or headers cannot be read, as a per-event handler's
+        would be; its key's later events of the batch go back to waiting. A row behind
+        an earlier event of its key in this batch is given back unattempted instead:
+        that event runs first, and the row fails only once it leads its key."""
+        key = row.ordering_key
+        if key is not None and key in keys_in:
+            stopped.add(key)
+            self.give_back([row])
+            return
         shown = self._fail(row, exc, outcome, None)
         self._finish(row)
-        if row.ordering_key is not None and shown != "dead":
-            stopped.add(row.ordering_key)
+        if key is not None and shown != "dead":
+            stopped.add(key)
 
     async def _call(
         self, pool: Pool, events: list[Event], started: list[ClaimedRow], stopped: set[str]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import cast
 
 import anyio
@@ -160,9 +160,15 @@ class BatchHandoff(Handoff[Run]):
     """The hand-off of a consumer with batch handlers: a batch topic's units wait in its
     `Pool`, whose ticket is queued once; every other unit is queued as it is."""
 
-    def __init__(self, handlers: Mapping[str, Handler], concurrency: int) -> None:
+    def __init__(
+        self,
+        handlers: Mapping[str, Handler],
+        concurrency: int,
+        give_back: Callable[[list[ClaimedRow]], None],
+    ) -> None:
         super().__init__()
         self._handlers = handlers
+        self._give_back = give_back  # claimed rows back to waiting, attempt given back
         self._concurrency = concurrency
         self.pools: dict[str, Pool] = {}
         self._kinds: dict[str, Pool | None] = {}  # topic -> its pool, None: per event
@@ -215,6 +221,7 @@ class BatchHandoff(Handoff[Run]):
         queue: list[Run] = []
         for unit in items:
             if isinstance(unit, list):
+                unit = self._one_handler(unit)
                 topic = unit[0].topic
             elif isinstance(unit, ClaimedRow):
                 topic = unit.topic
@@ -236,6 +243,26 @@ class BatchHandoff(Handoff[Run]):
             elif pool.arrived is not None:
                 pool.arrived.set()
         return queue
+
+    def _one_handler(self, run: list[ClaimedRow]) -> list[ClaimedRow]:
+        """The part of an ordered run that its head's handler takes. A key may span
+        topics: from the first event another handler takes, where either of the two is
+        a batch handler, the rest goes back to waiting, attempt given back; it is
+        claimed again, in order, once the key's earlier events are done. (Per-event
+        handlers of different topics share a run: each event finds its own.)"""
+        handlers = self._handlers
+        topic = run[0].topic
+        first = handlers.get(topic) or handlers.get(ALL_TOPICS)
+        for i in range(1, len(run)):
+            if run[i].topic == topic:
+                continue
+            other = handlers.get(run[i].topic) or handlers.get(ALL_TOPICS)
+            if other is not first and (
+                first is None or other is None or first.batch is not None or other.batch is not None
+            ):
+                self._give_back(run[i:])
+                return run[:i]
+        return run
 
     def put_all(self, items: Sequence[Run]) -> None:
         queue = self._route(items, False)

@@ -218,7 +218,7 @@ class Engine:
             work: Callable[[], Awaitable[None]]
             if isinstance(executor, BatchExecutor):
                 # batch handlers: their topics' events wait in pools, event slots count
-                handoff = batches = BatchHandoff(self._handlers, o.concurrency)
+                handoff = batches = BatchHandoff(self._handlers, o.concurrency, executor.give_back)
                 slots = Slots(o.concurrency)
                 executor.attach(batches, slots)
                 work = partial(batch_worker, batches, executor, slots)
