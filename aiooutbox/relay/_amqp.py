@@ -17,12 +17,20 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from .._values.text import exception_message
+from ._masked import checked_url, masked
 from ._sink import Message, Sink, require
 
 __all__ = ["Nacked", "RabbitMQSink", "Unroutable"]
 
 #: AMQP's short strings (routing keys, the ``type`` property) hold at most 255 bytes
 MAX_SHORT_STRING = 255
+#: the longest header name RabbitMQ's client library writes: pamqp cuts longer field
+#: names to 128 bytes, silently (two long names become one, a value is lost)
+MAX_HEADER_NAME = 128
+#: frame_max when the connection has not said (RabbitMQ's default)
+FRAME_MAX = 131072
+#: header tables this much under frame_max are not measured exactly (bytes)
+_FRAME_MARGIN = 4096
 #: confirming channels a sink publishes on, in turn. A channel takes one publish per
 #: event-loop pass (aiormq hands its lock from one publish to the next), so one channel
 #: alone queued a batch's publishes behind each other for hundreds of ms on a busy loop;
@@ -54,9 +62,11 @@ class RabbitMQSink(Sink):
     connection is aio-pika's robust one: it reconnects on its own, and publishes wait
     for it (``reconnect_wait``).
 
-    Refused at once (`Dead`): a routing key over AMQP's 255 bytes, a message no queue is
-    bound for, and one over the broker's ``max_message_size`` (RabbitMQ closes the
-    channel for it; the sink then refuses larger messages without publishing them). A
+    Refused at once (`Dead`): a routing key over AMQP's 255 bytes, a header name over 128
+    bytes (the client would cut it), headers that do not fit in one frame (the
+    connection's ``frame_max``: RabbitMQ would close the whole connection), a message no
+    queue is bound for, and one over the broker's ``max_message_size`` (RabbitMQ closes
+    the channel for it; the sink then refuses larger messages without publishing them). A
     routing key is literal when published (``*`` and ``#`` are wildcards only in
     bindings), so any topic may be one.
     """
@@ -88,8 +98,7 @@ class RabbitMQSink(Sink):
             format=format,
             cloudevents_source=cloudevents_source,
         )
-        if not isinstance(url, str) or not url.startswith(("amqp://", "amqps://")):
-            raise TypeError(f"url must be an amqp:// or amqps:// URL, not {url!r}")
+        url = checked_url(url, ("amqp", "amqps"), "an amqp:// or amqps://", host=True)
         if not isinstance(exchange, str):
             raise TypeError(f"exchange must be a str, not {exchange!r}")
         self._pika = require("aio_pika", "rabbitmq")
@@ -115,12 +124,19 @@ class RabbitMQSink(Sink):
         self._access_refused = errors.ChannelAccessRefused
         #: the broker's max_message_size, once a refusal told it
         self.max_message_size: int | None = None
+        #: the connection's negotiated frame_max, once connected
+        self.frame_max = FRAME_MAX
+        self._header = require("pamqp.header", "rabbitmq").ContentHeader
+        self._frame = require("pamqp.frame", "rabbitmq").marshal
 
     def describe(self) -> str:
-        parts = urlsplit(self.url)
-        host = parts.hostname or ""
-        netloc = f"{host}:{parts.port}" if parts.port else host
-        where = urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+        try:
+            parts = urlsplit(self.url)
+            host = parts.hostname or ""
+            netloc = f"{host}:{parts.port}" if parts.port else host
+            where = urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+        except ValueError:  # never raise: start-up errors and outages call it
+            where = masked(self.url)
         return f"{where} exchange {self.exchange_name!r}" if self.exchange_name else where
 
     async def _open(self) -> None:
@@ -131,6 +147,10 @@ class RabbitMQSink(Sink):
         for _ in range(CHANNELS):
             channel = await self._connection.channel(publisher_confirms=True, on_return_raises=True)
             self._channels.append(channel)
+        underlay = getattr(self._connection.transport, "connection", None)
+        tune = getattr(underlay, "connection_tune", None)
+        if tune is not None:  # what this connection negotiated; 0: no limit
+            self.frame_max = int(tune.frame_max) or 2**32 - 1
         if self.exchange_name:  # it must exist: checked once (a passive declare)
             await self._channels[0].get_exchange(self.exchange_name, ensure=True)
 
@@ -151,7 +171,31 @@ class RabbitMQSink(Sink):
                 f"message size {len(message.body)} is larger than configured max size "
                 f"{limit} (the broker's max_message_size, from its refusal of an earlier one)"
             )
+        # at most 4 bytes a character: most tables are measured without encoding them
+        rough = 0
+        for name, value in message.headers.items():
+            if len(name) > MAX_HEADER_NAME // 4 and len(name.encode()) > MAX_HEADER_NAME:
+                return (
+                    f"the header name {name[:40]!r}... is {len(name.encode())} bytes; "
+                    f"RabbitMQ's client writes at most {MAX_HEADER_NAME} (it would cut it)"
+                )
+            rough += 4 * (len(name) + len(value)) + 6
+        if rough + _FRAME_MARGIN > self.frame_max:
+            return self._frame_problem(message)
         return None
+
+    def _frame_problem(self, message: Message) -> str | None:
+        """Why the message's content header frame (its properties, headers among them)
+        would not fit in one frame: RabbitMQ closes the connection for it (501
+        FRAME_ERROR), failing every publish on it."""
+        header = self._header(0, len(message.body), self._amqp_message(message).properties)
+        size = len(self._frame(header, 1))
+        if size <= self.frame_max:
+            return None
+        return (
+            f"its headers and properties take {size} bytes, over the connection's frame_max "
+            f"of {self.frame_max}: AMQP carries them in one frame"
+        )
 
     def _refusal(self, exc: BaseException, message: Message) -> str | None:
         if isinstance(exc, Unroutable):
@@ -165,10 +209,11 @@ class RabbitMQSink(Sink):
                 return str(exc)
         return None
 
-    async def _send(self, message: Message) -> None:
+    def _amqp_message(self, message: Message) -> Any:
+        """The aio-pika message of ``message``."""
         event = message.event
         topic = event.topic
-        amqp = self._pika.Message(
+        return self._pika.Message(
             message.body,
             headers=message.headers,
             content_type=message.content_type,
@@ -178,6 +223,9 @@ class RabbitMQSink(Sink):
             # a short string: a longer topic travels only in the outbox-topic header
             type=topic if len(topic) < 64 or len(topic.encode()) <= MAX_SHORT_STRING else None,
         )
+
+    async def _send(self, message: Message) -> None:
+        amqp = self._amqp_message(message)
         chosen = self._channels[self._turn]
         self._turn = (self._turn + 1) % len(self._channels)
         try:

@@ -37,6 +37,7 @@ from ..consumer import OutboxConsumer
 from ..errors import OutboxError, SchemaNotReady, SchemaTooNew
 from ..handlers import Handler
 from ..migrations import check_schema
+from ._masked import masked
 
 __all__ = ["relay_many"]
 
@@ -104,7 +105,7 @@ async def relay_many(
                     ", ".join(f"{m.name}: {redact(m.target.dsn)}" for m in members),
                     sink.name,
                     sink.describe(),
-                    sink.destination,
+                    masked(sink.destination),
                     args.concurrency,
                     args.batch,
                     args.consumer_options.claim_size,

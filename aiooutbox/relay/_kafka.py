@@ -56,12 +56,15 @@ def topic_problem(topic: str) -> str | None:
     )
 
 
-class _QuietInitProducerId(logging.Filter):
-    """Drop aiokafka's own log line of a refused idempotent producer: the sink's
-    `BrokerUnavailable` says it, with the way out."""
+class _QuietStart(logging.Filter):
+    """Drop aiokafka's own log lines of a failed start (an unreachable bootstrap
+    server, a refused idempotent producer): the sink's `BrokerUnavailable` says it, in
+    one line, with the way out."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Unexpected error during InitProducerIdRequest")
+        return not str(record.msg).startswith(
+            ("Unexpected error during InitProducerIdRequest", 'Unable connect to "')
+        )
 
 
 class KafkaSink(Sink):
@@ -158,16 +161,15 @@ class KafkaSink(Sink):
         }
         options.update(self._options)
         self._producer = self._aiokafka.AIOKafkaProducer(**options)
-        if not options["enable_idempotence"]:
-            await self._producer.start()
-            return
-        quiet = _QuietInitProducerId()
-        sender_log = logging.getLogger("aiokafka.producer.sender")
-        sender_log.addFilter(quiet)
+        quiet = _QuietStart()
+        loggers = [logging.getLogger(n) for n in ("aiokafka", "aiokafka.producer.sender")]
+        for log in loggers:
+            log.addFilter(quiet)
         try:
             await self._producer.start()
         except self._errors.KafkaError as exc:
-            if isinstance(exc, (self._errors.KafkaConnectionError, self._errors.KafkaTimeoutError)):
+            unreachable = (self._errors.KafkaConnectionError, self._errors.KafkaTimeoutError)
+            if not options["enable_idempotence"] or isinstance(exc, unreachable):
                 raise
             # connected, then the producer id for idempotence was refused (Tansu's
             # memory store answers UnknownError)
@@ -178,7 +180,8 @@ class KafkaSink(Sink):
                 "idempotent producers"
             ) from None
         finally:
-            sender_log.removeFilter(quiet)
+            for log in loggers:
+                log.removeFilter(quiet)
 
     async def _close(self) -> None:
         try:

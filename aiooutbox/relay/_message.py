@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import string
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 from .._values.text import exception_message
 from ..errors import Dead, InvalidArgument
 from ..events import Event
+from ._masked import masked
 
 __all__ = [
     "RESERVED_PREFIXES",
@@ -110,28 +112,43 @@ def own_headers(event: Event, reserved: ReservedHeaders = ANY_BROKER) -> dict[st
 
 
 def check_template(template: object, what: str = "destination") -> str:
-    """A ``str.format`` template using only ``{topic}`` and ``{ordering_key}``."""
+    """A ``str.format`` template using only plain ``{topic}`` and ``{ordering_key}``
+    fields: a conversion or format spec (``{topic!r}``, ``{topic:.3}``) would change, or
+    fail to render, every destination."""
     if not isinstance(template, str):
         raise TypeError(f"{what} must be a str template such as '{{topic}}', not {template!r}")
+    quoted = shown(template)
     try:
-        fields = [f for _, f, spec, conv in string.Formatter().parse(template) if f is not None]
+        parsed = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(template)]
     except ValueError as exc:
         raise InvalidArgument(
-            f"{what} {template!r} is not a valid template: {exception_message(exc)}"
+            f"{what} {quoted} is not a valid template: {exception_message(exc)}"
         ) from None
+    fields = [f for f, _, _ in parsed if f is not None]
     unknown = sorted(set(fields) - _FIELDS)
     if unknown:
         raise InvalidArgument(
-            f"{what} {template!r} names {', '.join(unknown)}; only {{topic}} and "
+            f"{what} {quoted} names {', '.join(map(repr, unknown))}; only {{topic}} and "
             "{ordering_key} are available"
         )
+    for field, spec, conv in parsed:
+        if field is not None and (spec or conv):
+            written = (
+                "{" + field + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
+            )
+            raise InvalidArgument(
+                f"{what} {quoted} has {written}: only plain {{topic}} and {{ordering_key}} "
+                "fields are allowed, without a conversion or format spec"
+            )
     if not template.strip():
         raise InvalidArgument(f"{what} must not be blank")
     return template
 
 
 def shown(destination: str) -> str:
-    """``destination`` quoted for a message, the middle of a long one elided."""
+    """``destination`` quoted for a message, the middle of a long one elided, and a
+    URL's credentials masked (a webhook's destination is its URL)."""
+    destination = masked(destination)
     if len(destination) <= 120:
         return repr(destination)
     return repr(destination[:80]) + "..." + repr(destination[-30:])
@@ -152,13 +169,38 @@ def render_destination(template: str, event: Event) -> str:
 
 
 def _stdlib_body(payload: Any) -> bytes:
-    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    try:
+        return json.dumps(
+            payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+        ).encode()
+    except RecursionError:
+        # jsonb takes ~1000 levels; no retry can write what the encoder cannot
+        raise Dead(
+            f"the payload is nested {_depth(payload)} levels deep: deeper than the relay's "
+            "JSON encoder writes (orjson stops at 254 levels, Python's json near the "
+            f"interpreter's recursion limit, {sys.getrecursionlimit()})"
+        ) from None
+
+
+def _depth(payload: Any) -> int:
+    """How deep lists and objects nest in ``payload`` (without recursing)."""
+    deepest = 0
+    todo = [(payload, 0)]
+    while todo:
+        value, level = todo.pop()
+        if isinstance(value, dict):
+            value = list(value.values())
+        if isinstance(value, list):
+            deepest = max(deepest, level + 1)
+            todo.extend((item, level + 1) for item in value)
+    return deepest
 
 
 def _pick_body() -> Callable[[Any], bytes]:
     """orjson when installed (the ``speedups`` extra): the stdlib encoder cost ~5% of a
     relay's CPU. Its output is the same compact JSON; anything it refuses (an int past
-    64 bits, a key that is not a str) falls back to the stdlib."""
+    64 bits, a key that is not a str, nesting past 254 levels) falls back to the stdlib,
+    whose `RecursionError` is `Dead`."""
     try:
         import orjson
     except ImportError:

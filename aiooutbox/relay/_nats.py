@@ -28,6 +28,7 @@ from typing import Any
 
 from .._values.codec import decode_json
 from .._values.text import describe_exception
+from ._masked import checked_url
 from ._sink import Message, Sink, logger, require
 
 __all__ = ["NatsSink", "NoStreamForSubject", "subject_problem"]
@@ -141,9 +142,16 @@ class NatsSink(Sink):
             cloudevents_source=cloudevents_source,
         )
         self._nats = require("nats", "nats")
-        self.servers = [servers] if isinstance(servers, str) else list(servers)
-        if not self.servers or not all(isinstance(s, str) and s for s in self.servers):
-            raise TypeError(f"servers must be a URL or a list of URLs, not {servers!r}")
+        listed = [servers] if isinstance(servers, str) else list(servers)
+        if not listed or not all(isinstance(s, str) and s for s in listed):
+            what = type(servers).__name__
+            raise TypeError(f"servers must be a URL or a list of URLs, not a {what}")
+        # nats-py takes only lower-case schemes (RFC 3986: any case); a bad port would
+        # fail every connection attempt as "no servers available"
+        self.servers = [
+            checked_url(s, ("nats", "tls", "ws", "wss"), "a nats:// or tls://") if "://" in s else s
+            for s in listed
+        ]
         self._options = dict(connect_options or {})
         self._nc: Any = None
         self._js: Any = None
@@ -287,6 +295,11 @@ class NatsSink(Sink):
         if not names.issuperset(headers):  # names seen before are tokens
             for name in headers:
                 stripped = name.strip()
+                if stripped != name:  # nats-py strips it: two names would merge into one
+                    return (
+                        f"the header name {name!r} has whitespace around it: NATS clients "
+                        "strip it, so it could merge with another header"
+                    )
                 if stripped and not _HEADER_NAME.fullmatch(stripped):  # nats-py skips ""
                     return (
                         f"the header name {name!r} is not an HTTP token "

@@ -20,6 +20,7 @@ from typing import Any
 
 from .._values.limits import check_count
 from ._lookup import Lookup, Seen, check_skew
+from ._masked import checked_url, masked
 from ._message import Message, own_headers, payload_body
 from ._sink import Sink, require
 
@@ -113,8 +114,7 @@ class RedisSink(Sink):
             format=format,
             cloudevents_source=cloudevents_source,
         )
-        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
-            raise TypeError(f"url must be a redis:// or rediss:// URL, not {url!r}")
+        url = checked_url(url, ("redis", "rediss", "unix"), "a redis:// or rediss://")
         if maxlen is not None:
             check_count("maxlen", maxlen, 1, 2**63 - 1)
         self._redis = require("redis.asyncio", "redis")
@@ -131,7 +131,8 @@ class RedisSink(Sink):
             self._lookup = Lookup(self._read)
 
     def describe(self) -> str:
-        return self.url.split("@")[-1] if "@" in self.url else self.url
+        # without credentials: a password may be in the userinfo or the query
+        return masked(self.url).rpartition("@")[2]
 
     async def _open(self) -> None:
         # A blocking pool: a publish beyond its connections waits for one (up to

@@ -29,6 +29,7 @@ from ..cli.run import Telemetry, _settings, _Signals, telemetry
 from ..consumer import OutboxConsumer
 from ..errors import InvalidArgument, OutboxError
 from ..handlers import ALL_TOPICS, Handler
+from ._masked import masked
 
 __all__ = [
     "RELAY_BATCH",
@@ -367,7 +368,7 @@ async def _relay(
                     redact(dsn),
                     sink.name,
                     sink.describe(),
-                    sink.destination,
+                    masked(sink.destination),
                     args.concurrency,
                     args.batch,
                     options.claim_size,
@@ -404,5 +405,6 @@ def relay_worker_id(sink: Any, options: Any) -> str:
     """``relay SINK:DESTINATION @HOST:PID:RANDOM``, the destination cut to fit."""
     base: str = options.worker_id
     room = MAX_WORKER_ID - len(base) - len(sink.name) - 9
-    destination = " ".join(str(sink.destination).split())[: max(room, 0)] or "?"
+    # masked: a webhook's destination is its URL, and locked_by is stored and shown
+    destination = " ".join(masked(str(sink.destination)).split())[: max(room, 0)] or "?"
     return f"relay {sink.name}:{destination} @{base}"

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 from ..errors import InvalidArgument
 from ._amqp import RabbitMQSink
 from ._kafka import KafkaSink
+from ._masked import masked, normal_scheme
 from ._nats import NatsSink
 from ._redis import RedisSink
 from ._sink import Sink
@@ -39,10 +40,11 @@ def sink_for_url(
     ``redis(s)://`` or ``http(s)://`` URLs; other ``options`` go to the sink's class."""
     if not isinstance(url, str):
         raise TypeError(f"url must be a str, not {type(url).__name__}")
-    scheme = urlsplit(url).scheme.lower()
+    url = normal_scheme(url.strip())
+    scheme = url.partition("://")[0] if "://" in url else ""
     if scheme not in SCHEMES:
         raise InvalidArgument(
-            f"cannot relay to {url.split('@')[-1]!r}: the URL must start with nats://, "
+            f"cannot relay to {_shown(url)!r}: the URL must start with nats://, "
             "amqp://, amqps://, kafka://, redis://, rediss://, http:// or https://"
         )
     if exchange is not None and scheme not in ("amqp", "amqps"):
@@ -81,7 +83,9 @@ def _netloc(url: str) -> str:
 
 def _shown(url: str) -> str:
     """``url`` without its credentials, for an error message."""
-    scheme, _, rest = url.partition("://")
+    if "://" not in url:  # no URL: whatever precedes an @ may be a password
+        return url.rpartition("@")[2]
+    scheme, _, rest = masked(url).partition("://")
     netloc, slash, path = rest.partition("/")
     return f"{scheme}://{re.sub(r'[^,@]*@', '', netloc)}{slash}{path}"
 
@@ -94,6 +98,10 @@ def split_hosts(url: str) -> list[str]:
     brackets); anything else raises `InvalidArgument` naming it.
     """
     scheme, _, rest = url.partition("://")
+    if "@" in rest.partition("?")[0].partition("/")[2]:  # a "/" in the credentials
+        raise InvalidArgument(
+            f"{_shown(url)!r}: a '/' in the user or password must be percent-encoded (%2F)"
+        )
     for other in re.findall(r",\s*([A-Za-z][A-Za-z0-9+.-]*)://", rest):
         if other.lower() != scheme.lower():
             raise InvalidArgument(

@@ -12,7 +12,9 @@ timeout or refused connection retried with the consumer's backoff.
 ``{topic}`` and ``{ordering_key}`` are percent-encoded into the URL (``/``, ``?``, ``#``
 and ``..`` in a topic cannot change the path or add a query); a header value that is
 not ASCII is sent as UTF-8, and a header HTTP cannot carry (a name that is not a token,
-a line break in a value) sends the event to ``dead`` at once.
+a line break or control character in a value, a value with leading or trailing spaces
+or tabs) sends the event to ``dead`` at once. The URL's password and query values
+are masked wherever it is shown: logs, errors, an event's last error, ``locked_by``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import base64
 import email.utils
 import hashlib
 import hmac
+import logging
 import re
 import time
 from datetime import UTC, datetime, timedelta
@@ -30,7 +33,8 @@ from urllib.parse import quote
 
 from ..errors import Dead, InvalidArgument, Retry
 from ..events import Event
-from ._message import Message, ReservedHeaders, check_template, ordering_key
+from ._masked import checked_url, masked
+from ._message import Message, ReservedHeaders, check_template, ordering_key, shown
 from ._sink import Sink, require
 
 __all__ = ["WebhookError", "WebhookSink", "sign"]
@@ -55,8 +59,10 @@ _MAX_RETRY_AFTER = 86400.0
 _PARALLEL = 64
 _ERROR_BODY = 500
 #: an HTTP header name is a token (RFC 9110); a value has no control characters but tab
+#: and no whitespace around it (h11, under httpx, refuses both: RFC 9110's field-value)
 _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _NOT_IN_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+_AROUND_VALUE = re.compile(r"\A[ \t]|[ \t]\Z")
 
 
 def url_part(value: str) -> str:
@@ -70,8 +76,18 @@ def render_url(template: str, event: Event) -> str:
     """The webhook URL of ``event``: the template with its fields percent-encoded."""
     key = ordering_key(event)
     if key is None and "ordering_key" in template:
-        raise Dead(f"url {template!r} needs an ordering_key; the event has none")
+        raise Dead(f"url {shown(template)} needs an ordering_key; the event has none")
     return template.format(topic=url_part(event.topic), ordering_key=url_part(key or ""))
+
+
+class _MaskedUrls(logging.Filter):
+    """Mask the URLs in httpx's own log lines (``HTTP Request: POST URL``), which
+    would show the webhook URL's password and query."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(masked(str(a)) if "://" in str(a)[:12] else a for a in record.args)
+        return True
 
 
 class WebhookError(Exception):
@@ -144,8 +160,7 @@ class WebhookSink(Sink):
         cloudevents_source: str | None = None,
         client_options: dict[str, Any] | None = None,
     ) -> None:
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise TypeError(f"url must be an http:// or https:// URL, not {url!r}")
+        url = checked_url(url, ("http", "https"), "an http:// or https://", host=True)
         super().__init__(
             destination=check_template(url, "url"),
             connect_timeout=connect_timeout,
@@ -162,12 +177,13 @@ class WebhookSink(Sink):
         self.url = url
         self._options = dict(client_options or {})
         self._client: Any = None
+        self._quiet: logging.Filter | None = None
         # the client's own headers (httpx's and those of client_options) win too
         configured = self._httpx.Headers(self._options.get("headers") or {})
         self._reserved = ReservedHeaders((*_REQUEST_HEADERS, *_CLIENT_DEFAULTS, *configured.keys()))
 
     def describe(self) -> str:
-        return self.url.split("?")[0]
+        return masked(self.url)
 
     async def _open(self) -> None:
         timeout = self._httpx.Timeout(self.publish_timeout, connect=self.connect_timeout)
@@ -175,8 +191,12 @@ class WebhookSink(Sink):
         options: dict[str, Any] = {"timeout": timeout, "limits": limits}
         options.update(self._options)
         self._client = self._httpx.AsyncClient(**options)
+        self._quiet = _MaskedUrls()
+        logging.getLogger("httpx").addFilter(self._quiet)
 
     async def _close(self) -> None:
+        if self._quiet is not None:
+            logging.getLogger("httpx").removeFilter(self._quiet)
         if self._client is not None:
             await self._client.aclose()
 
@@ -191,6 +211,13 @@ class WebhookSink(Sink):
                     return f"the header name {name!r} is not an HTTP token: HTTP cannot carry it"
             if len(self._header_names) < 1024:
                 self._header_names.update(headers)
+        around = _AROUND_VALUE.search
+        for name, value in headers.items():
+            if around(value):
+                return (
+                    f"the header {name!r} has a value with leading or trailing whitespace "
+                    f"({value[:40]!r}): HTTP cannot carry it (RFC 9110 field-value)"
+                )
         if _NOT_IN_VALUE.search("\t".join(headers.values())):
             for name, value in headers.items():
                 if _NOT_IN_VALUE.search(value):
@@ -222,7 +249,7 @@ class WebhookSink(Sink):
         if 200 <= status < 300:
             return
         text = response.text[:_ERROR_BODY]
-        detail = f"HTTP {status} from {url.split('?')[0]}: {text}"
+        detail = f"HTTP {status} from {masked(url)}: {text}"
         if status in (429, 503):
             delay = retry_after(response.headers.get("retry-after"))
             if delay is not None:
