@@ -28,7 +28,7 @@ from ._auth import Permission, same_origin
 from ._counts import Count, exact
 from ._events import count_matching
 from ._filters import EventFilter, parse_filter
-from ._input import BadInput, whole_number
+from ._input import BadInput, strict_utf8, whole_number
 from ._pages import answer_from
 from ._render import dashboard_of, render, safe_back, url
 from ._sql import WebQueries
@@ -62,6 +62,11 @@ async def checked_form(request: Request) -> FormData:
         raise Refused(403, why)
     if not same_origin(request.headers):
         raise Refused(403, "cross-origin request refused")
+    if request.headers.get("content-type", "").startswith("application/x-www-form-urlencoded"):
+        try:  # before parsing: the parser turns bytes that are not UTF-8 into U+FFFD
+            strict_utf8(await request.body(), "the form")
+        except BadInput as exc:
+            raise Refused(400, str(exc)) from None
     form = await request.form(max_files=0, max_fields=MAX_SELECTED + 50)
     token = form.get("csrf")
     if not isinstance(token, str) or not d.tokens.valid(request.state.session, token):

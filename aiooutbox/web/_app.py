@@ -20,6 +20,7 @@ from starlette.routing import Mount
 from starlette.staticfiles import StaticFiles
 
 from .._sql.statements import DEFAULT_SCHEMA, DEFAULT_TABLE
+from ..errors import InvalidArgument
 from . import _actions, _flow, _groups, _pages
 from ._auth import (
     SESSION_COOKIE,
@@ -27,7 +28,7 @@ from ._auth import (
     Permission,
     Resolver,
 )
-from ._dashboard import Dashboard
+from ._dashboard import Dashboard, unavailable
 
 __all__ = ["CSP", "Dashboard", "create_app"]
 
@@ -44,6 +45,7 @@ _HEADERS = [
     (b"referrer-policy", b"same-origin"),
     (b"cache-control", b"no-store"),
 ]
+_RETRY = (b"retry-after", b"5")
 
 
 async def _plain(send: Any, status: int, body: str, *extra: tuple[bytes, bytes]) -> None:
@@ -100,6 +102,20 @@ class Guard:
             if isinstance(exc, asyncpg.DataError):  # a value the database refused
                 logger.info("dashboard request refused by the database: %s", exc)
                 await _plain(send, 400, f"the database refused a value of this request: {exc}\n")
+                return
+            if isinstance(exc, InvalidArgument):  # a value the library refused
+                logger.info("dashboard request refused: %s", exc)
+                await _plain(send, 400, f"refused: {exc}\n")
+                return
+            reason = unavailable(exc)
+            if reason is not None:  # one line: it is the database's state, not a fault here
+                logger.warning(
+                    "dashboard answered %s %s with 503: database unavailable: %s",
+                    scope.get("method"),
+                    scope["path"],
+                    reason,
+                )
+                await _plain(send, 503, f"database unavailable: {reason}\n", _RETRY)
                 return
             logger.exception("dashboard request failed: %s %s", scope.get("method"), scope["path"])
             await _plain(send, 500, "internal error: see the dashboard's log\n")

@@ -277,9 +277,13 @@ class Tokens:
         return secrets.token_urlsafe(24)
 
     def token(self, session: str) -> str:
-        return hmac.new(self._secret, session.encode(), hashlib.sha256).hexdigest()
+        raw = session.encode("utf-8", "surrogatepass")
+        return hmac.new(self._secret, raw, hashlib.sha256).hexdigest()
 
     def valid(self, session: str | None, token: str | None) -> bool:
         if not session or not token:
             return False
-        return hmac.compare_digest(self.token(session), token)
+        # as bytes: compare_digest refuses a str with a non-ASCII character (TypeError),
+        # and a token a client sent may hold any
+        sent = token.encode("utf-8", "surrogatepass")
+        return hmac.compare_digest(self.token(session).encode(), sent)

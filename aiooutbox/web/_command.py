@@ -147,6 +147,22 @@ def _hosts(args: argparse.Namespace) -> list[str]:
     return hosts
 
 
+def _server(config: Any, end_streams: Any) -> Any:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server that ends the dashboard's live streams as it starts to stop:
+        it waits for open responses before the app's shutdown, and a stream ends only
+        when told (else it waits out its graceful timeout and cancels them, with errors
+        logged)."""
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            end_streams()
+            await super().shutdown(sockets)
+
+    return Server(config)
+
+
 def _bind(host: str, port: int) -> socket.socket:
     from ..cli.errors import CommandError
 
@@ -180,21 +196,12 @@ async def cmd_dashboard(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ._app import create_app
+    from ._dashboard import POOL_OPTIONS
 
     auth, anonymous, access = _access(args)
     dsn = await resolve_dsn(args, log=True)
     try:
-        pool = await asyncpg.create_pool(
-            dsn,
-            min_size=1,
-            max_size=4,
-            timeout=5.0,
-            server_settings={
-                "application_name": "aiooutbox dashboard",
-                "statement_timeout": "10s",
-                "jit": "off",
-            },
-        )
+        pool = await asyncpg.create_pool(dsn, **POOL_OPTIONS)
     except Exception as exc:
         raise CommandError(f"cannot connect to {redact(dsn)}: {exc}") from None
     try:
@@ -222,7 +229,7 @@ async def cmd_dashboard(args: argparse.Namespace) -> int:
             lifespan="on",
             timeout_graceful_shutdown=3,
         )
-        server = uvicorn.Server(config)
+        server = _server(config, app.state.dashboard.end_streams)
         sock = _bind(args.host, args.port)  # here, for a one-line error when taken
         port = sock.getsockname()[1]
         task = asyncio.create_task(server.serve(sockets=[sock]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -26,9 +27,61 @@ from ._data import PastHours
 from ._live import Cache, LiveHub
 from ._sql import web_queries
 
-__all__ = ["Dashboard"]
+__all__ = ["POOL_OPTIONS", "Dashboard", "unavailable"]
 
 logger = logging.getLogger("aiooutbox.web")
+
+STATEMENT_TIMEOUT = 10.0  # seconds the server lets a statement of ours run
+# the client's own bounds, for a network that stops passing data (the server's timeout
+# then never arrives): a statement a little after the server's, a connection's start,
+# a pool connection when all are busy
+COMMAND_TIMEOUT = STATEMENT_TIMEOUT + 2
+CONNECT_TIMEOUT = 5.0
+ACQUIRE_TIMEOUT = COMMAND_TIMEOUT + CONNECT_TIMEOUT
+# the pool the dashboard opens (create_app(dsn=...) and the command): no floor of
+# connections, which asyncpg would restore in the background while the database is
+# away, logging a traceback a try; a request opens what it needs
+POOL_OPTIONS: dict[str, Any] = {
+    "min_size": 0,
+    "max_size": 4,
+    "timeout": CONNECT_TIMEOUT,
+    "command_timeout": COMMAND_TIMEOUT,
+    "server_settings": {
+        "application_name": "aiooutbox dashboard",
+        "statement_timeout": f"{STATEMENT_TIMEOUT:.0f}s",
+        "jit": "off",
+    },
+}
+
+# what a request meets when the database cannot be reached or does not answer, rather
+# than a fault of the request or of ours
+_UNAVAILABLE = (
+    OSError,  # refused, reset, unreachable
+    TimeoutError,  # no answer within the timeouts above
+    asyncpg.ConnectionDoesNotExistError,  # closed under us (a terminated backend)
+    asyncpg.PostgresConnectionError,  # class 08
+    asyncpg.OperatorInterventionError,  # class 57: shutdown, terminated, statement_timeout
+    asyncpg.InsufficientResourcesError,  # class 53: too many connections
+    asyncpg.InvalidCatalogNameError,  # the database is gone
+    asyncpg.InvalidAuthorizationSpecificationError,  # class 28: the role may not log in
+)
+_SECRET = re.compile(r"(://[^:/@\s]*:)[^@\s]*@|(password\s*=\s*)\S+", re.IGNORECASE)
+
+
+def unavailable(exc: BaseException) -> str | None:
+    """Why the database is unavailable, when ``exc`` says it is (one line, no
+    password), else None."""
+    refused = isinstance(exc, asyncpg.ObjectNotInPrerequisiteStateError) and (
+        "not currently accepting connections" in str(exc)  # ALLOW_CONNECTIONS false
+    )
+    if not refused and not isinstance(exc, _UNAVAILABLE):
+        return None
+    if isinstance(exc, TimeoutError) and not str(exc):
+        text = f"no answer within {COMMAND_TIMEOUT:g} s"
+    else:
+        text = str(exc).strip() or type(exc).__name__
+    text = _SECRET.sub(lambda m: (m[1] or m[2]) + "***" + ("@" if m[1] else ""), text)
+    return " ".join(text.split())[:300]
 
 
 class Dashboard:
@@ -86,23 +139,19 @@ class Dashboard:
     async def pool(self) -> asyncpg.Pool:
         if self._pool is None:
             assert self.dsn is not None
-            self._pool = await asyncpg.create_pool(
-                self.dsn,
-                min_size=1,
-                max_size=4,
-                server_settings={
-                    "application_name": "aiooutbox dashboard",
-                    "statement_timeout": "10s",
-                    "jit": "off",
-                },
-            )
+            self._pool = await asyncpg.create_pool(self.dsn, **POOL_OPTIONS)
         return self._pool
 
     @contextlib.asynccontextmanager
     async def connection(self) -> AsyncIterator[Any]:
         pool = await self.pool()
-        async with pool.acquire() as conn:
+        async with pool.acquire(timeout=ACQUIRE_TIMEOUT) as conn:
             yield conn
+
+    def end_streams(self) -> None:
+        """End the open live streams (and refuse new ones): call it as the server serving
+        the app starts to stop, since a server waits for open responses to end."""
+        self.hub.end_streams()
 
     def changed(self) -> None:
         """An action changed the outbox: every page reads it again."""

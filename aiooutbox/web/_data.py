@@ -365,5 +365,8 @@ def age(seconds: float | None) -> str:
     return f"{s // 86400}d {s % 86400 // 3600}h"
 
 
-def when(value: datetime | None) -> str:
-    return "\N{EN DASH}" if value is None else value.strftime("%Y-%m-%d %H:%M:%S UTC")
+def when(value: datetime | str | None) -> str:
+    """A time in UTC; a str is one no datetime holds, shown as stored (`_times`)."""
+    if value is None:
+        return "\N{EN DASH}"
+    return value if isinstance(value, str) else value.strftime("%Y-%m-%d %H:%M:%S UTC")

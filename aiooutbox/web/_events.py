@@ -15,7 +15,8 @@ import asyncpg
 from .._admin.counts import SAMPLE_PAGES
 from ._counts import BOUND, Count, bounded, estimate_rows, estimated, exact
 from ._filters import PAGE, WINDOW, EventFilter
-from ._sql import WebQueries
+from ._sql import EVENT_TIMES, WebQueries
+from ._times import Stored, later, stored
 
 __all__ = [
     "EventDetail",
@@ -96,8 +97,12 @@ async def event_page(conn: Any, w: WebQueries, f: EventFilter, *, size: int = PA
         "last_error",
         "locked_by",
     ]
+    listed = [dict(zip(keys, r, strict=True)) for r in rows]
+    for row in listed:
+        for name in ("created_at", "available_at", "finished_at"):
+            row[name] = stored(row[name])
     return EventPage(
-        rows=[dict(zip(keys, r, strict=True)) for r in rows],
+        rows=listed,
         count=await count_matching(conn, w, f),
         next_before=next_before,
         window=window,
@@ -110,7 +115,7 @@ class Failure:
     """One failed attempt, as the failure's settlement (or lease recovery) kept it."""
 
     attempt: int | None
-    at: datetime | None
+    at: Stored  # text: a time no datetime holds, as the entry has it
     worker: str
     seconds: float | None
     error: str
@@ -123,6 +128,7 @@ class EventDetail:
     payload: str
     headers: str
     trace_id: str | None
+    due_later: bool = False  # its due time is still ahead
     ahead: Count | None = None  # unfinished events of its key before it
     head: int | None = None
     failures: list[Failure] = field(default_factory=list)
@@ -142,11 +148,10 @@ def failures_of(text: str | None) -> list[Failure]:
     for e in entries:
         if not isinstance(e, dict):
             continue
-        at = _number(e.get("at"))
         out.append(
             Failure(
                 attempt=int(n) if (n := _number(e.get("attempt"))) is not None else None,
-                at=datetime.fromtimestamp(at, timezone.utc) if at is not None else None,
+                at=_moment(_number(e.get("at"))),
                 worker=str(e.get("worker") or "?"),
                 seconds=_number(e.get("seconds")),
                 error=str(e.get("error") or ""),
@@ -154,6 +159,16 @@ def failures_of(text: str | None) -> list[Failure]:
             )
         )
     return out
+
+
+def _moment(seconds: float | None) -> Stored:
+    """Epoch seconds as a UTC datetime, or as text outside the years 1-9999."""
+    if seconds is None:
+        return None
+    try:
+        return datetime.fromtimestamp(seconds, timezone.utc)
+    except (OverflowError, ValueError, OSError):
+        return f"{seconds:.0f} s from 1970 (outside the years 1-9999)"
 
 
 def _number(value: object) -> float | None:
@@ -191,25 +206,12 @@ async def load_event(conn: Any, w: WebQueries, event_id: int) -> EventDetail | N
     r = await conn.fetchrow(w.event, event_id)
     if r is None:
         return None
-    names = [
-        "id",
-        "topic",
-        "status",
-        "ordering_key",
-        "dedupe_key",
-        "attempts",
-        "max_attempts",
-        "created_at",
-        "available_at",
-        "updated_at",
-        "finished_at",
-        "locked_by",
-        "locked_at",
-        "lease_expires_at",
-        "last_error",
-    ]
+    names = ["id", "topic", "status", "ordering_key", "dedupe_key", "attempts"]
+    names += ["max_attempts", "locked_by", "last_error", "message_id"]
+    times = {n: stored(r[n]) for n in EVENT_TIMES}
     detail = EventDetail(
-        fields={n: r[n] for n in names} | {"message_id": r["message_id"]},
+        fields={n: r[n] for n in names} | times,
+        due_later=later(times["available_at"]),
         payload=pretty(r["payload"]),
         headers=pretty(r["headers"]),
         trace_id=trace_id_of(r["headers"]),
@@ -238,6 +240,7 @@ async def blocked_keys(
         keys = [h["ordering_key"] for h in heads]
         waiting = {k: int(n) for k, n in await conn.fetch(w.waiting_of_keys, keys, BOUND)}
         for h in heads:
+            h["available_at"] = stored(h["available_at"])
             n = waiting.get(h["ordering_key"], 0)
             h["waiting"] = Count(n, n < BOUND)
     return heads

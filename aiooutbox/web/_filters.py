@@ -15,7 +15,7 @@ from datetime import datetime
 from typing import Any
 from urllib.parse import urlencode
 
-from ._input import BadInput, json_object, stored_text, utc_time, whole_number
+from ._input import BadInput, json_object, stored_text, strict_utf8, utc_time, whole_number
 
 __all__ = ["EventFilter", "FilterError", "parse_filter"]
 
@@ -173,9 +173,17 @@ def _json(name: str, value: str, problems: list[str]) -> str:
         return ""
 
 
-def parse_filter(query: Mapping[str, str], *, status: str | None = None) -> EventFilter:
-    """The filter a query string describes; mistakes are collected in ``errors``."""
+def parse_filter(
+    query: Mapping[str, str], *, status: str | None = None, raw: bytes = b""
+) -> EventFilter:
+    """The filter a query string describes; mistakes are collected in ``errors``.
+    ``raw``: the query string as sent, checked for text that is not UTF-8 (which
+    ``query`` holds as U+FFFD)."""
     problems: list[str] = []
+    try:
+        strict_utf8(raw, "the filter")
+    except BadInput as exc:
+        problems.append(str(exc))
     chosen = status if status is not None else query.get("status", "").strip()
     if chosen and chosen not in STATES:
         problems.append(f"status must be one of {', '.join(STATES)}")

@@ -14,8 +14,9 @@ import json
 import math
 from datetime import datetime, timezone
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
-__all__ = ["BadInput", "json_object", "stored_text", "utc_time", "whole_number"]
+__all__ = ["BadInput", "json_object", "stored_text", "strict_utf8", "utc_time", "whole_number"]
 
 BIGINT_MAX = 2**63 - 1
 _DIGITS = frozenset("0123456789")
@@ -46,6 +47,23 @@ def stored_text(text: str, what: str) -> str:
         except UnicodeEncodeError:
             raise BadInput(f"{what} is not valid Unicode text") from None
     return text
+
+
+def strict_utf8(raw: bytes, what: str) -> None:
+    """`BadInput` unless every name and value of the urlencoded ``raw`` (a query string,
+    a form's body) is UTF-8 once percent-decoded. The parsers decode what is not to
+    U+FFFD (or as latin-1): a form would act on a name nobody typed."""
+    for pair in raw.split(b"&"):
+        name, _, value = pair.partition(b"=")
+        try:
+            field = unquote_to_bytes(name.replace(b"+", b" ")).decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadInput(f"{what} has a field name that is not valid UTF-8") from None
+        try:
+            unquote_to_bytes(value.replace(b"+", b" ")).decode("utf-8")
+        except UnicodeDecodeError:
+            shown = field[:40] if field.isprintable() else repr(field[:40])
+            raise BadInput(f"{shown} is not valid UTF-8 text") from None
 
 
 def _reject_constant(name: str) -> Any:

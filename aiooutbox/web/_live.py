@@ -34,6 +34,7 @@ class LiveHub:
         self._subscribers: set[asyncio.Queue[str]] = set()
         self._task: asyncio.Task[None] | None = None
         self._closed = asyncio.Event()
+        self._ending = asyncio.Event()  # the server is stopping: streams end now
         self.pulse = ""
         self.polls = 0  # pulse queries run (the tests count them)
 
@@ -55,19 +56,31 @@ class LiveHub:
             yield f"retry: {int(self.interval * 2000)}\n\n"
             if self.pulse:
                 yield f"data: {self.pulse}\n\n"
-            while not self._closed.is_set():
+            while not self._closed.is_set() and not self._ending.is_set():
                 try:
                     pulse = await asyncio.wait_for(queue.get(), KEEPALIVE)
                 except TimeoutError:
                     yield ": keepalive\n\n"
                     continue
+                if not pulse:  # `end_streams`
+                    break
                 yield f"data: {pulse}\n\n"
         finally:
             self._subscribers.discard(queue)
 
+    def end_streams(self) -> None:
+        """End every open stream now, and any opened later: the server is stopping, and
+        it waits for open responses to end before it runs the app's shutdown (a
+        browser's page reconnects to the next server on its own)."""
+        self._ending.set()
+        for queue in list(self._subscribers):
+            with contextlib.suppress(asyncio.QueueEmpty):
+                queue.get_nowait()
+            queue.put_nowait("")
+
     async def _run(self) -> None:
         """Poll while anyone listens; stop when the last page closes."""
-        while self._subscribers and not self._closed.is_set():
+        while self._subscribers and not self._closed.is_set() and not self._ending.is_set():
             started = time.monotonic()
             try:
                 pulse = await self.read_pulse()

@@ -89,7 +89,7 @@ async def topic(request: Request) -> Response:
 
 async def events(request: Request) -> Response:
     d = dashboard_of(request)
-    f = parse_filter(request.query_params)
+    f = parse_filter(request.query_params, raw=request.scope.get("query_string", b""))
     if f.errors:
         return await render(request, "events.html", status_code=400, f=f, page=None)
 
@@ -117,7 +117,9 @@ async def event(request: Request) -> Response:
 
 async def dead(request: Request) -> Response:
     d = dashboard_of(request)
-    f = parse_filter(request.query_params, status="dead")
+    f = parse_filter(
+        request.query_params, status="dead", raw=request.scope.get("query_string", b"")
+    )
     if f.errors:
         return await render(request, "dead.html", status_code=400, f=f, page=None)
 

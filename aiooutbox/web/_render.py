@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import time
-from datetime import datetime
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode
 
@@ -22,6 +21,7 @@ from ._auth import Permission
 from ._charts import bars, minute_chart
 from ._counts import Count
 from ._data import age, when
+from ._times import Stored
 from ._topic import topic_path
 
 if TYPE_CHECKING:
@@ -85,11 +85,13 @@ def count(value: Count | int | None) -> str:
     return f"{value:,}"
 
 
-def rel(value: datetime | None) -> Markup:
+def rel(value: Stored) -> Markup:
     """A time relative to now ("3m ago", "in 2h 10m"), the absolute time on hover; the
-    page's script keeps it current."""
+    page's script keeps it current. One no datetime holds is shown as stored."""
     if value is None:
         return Markup("\N{EN DASH}")
+    if isinstance(value, str):
+        return escape(value)
     try:
         at = value.timestamp()
     except (OverflowError, ValueError, OSError):

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .._sql.statements import DEFAULT_SCHEMA, DEFAULT_TABLE, Queries, queries
+from ._times import as_text
 
-__all__ = ["WebQueries", "web_queries"]
+__all__ = ["EVENT_TIMES", "WebQueries", "web_queries"]
 
 # claimable, running and blocked: the statuses a partial index covers
 UNFINISHED = ("pending", "retry", "processing", "waiting")
@@ -22,6 +23,20 @@ UNFINISHED = ("pending", "retry", "processing", "waiting")
 @lru_cache(maxsize=64)
 def web_queries(schema: str = DEFAULT_SCHEMA, table: str = DEFAULT_TABLE) -> WebQueries:
     return WebQueries(queries(schema, table))
+
+
+# the times of an event its page shows
+EVENT_TIMES = (
+    "created_at",
+    "available_at",
+    "updated_at",
+    "finished_at",
+    "locked_at",
+    "lease_expires_at",
+)
+# a due time a lag can be taken from: a scheduled event has no lag yet, and a raw SQL
+# producer's 'infinity' (never) or '-infinity' (due, with no age) cannot be subtracted
+_DUE = "available_at <= now() AND available_at > '-infinity'"
 
 
 @dataclass(frozen=True)
@@ -128,8 +143,8 @@ class WebQueries:
     @property
     def topic_lags(self) -> str:
         # every topic with claimable events, its lag and the epoch of its oldest due
-        # event (the page ticks the lag on from it), by a skip scan of the topic-first
-        # claim index: one descent per topic, however deep
+        # event (the page ticks the lag on from it; both NULL when none is due), by a
+        # skip scan of the topic-first claim index: one descent per topic, however deep
         claimable = "status IN ('pending', 'retry')"
         return (
             "WITH RECURSIVE topics AS ("
@@ -141,17 +156,17 @@ class WebQueries:
             " SELECT topic, extract(epoch FROM (now() - o.at))::float8,"
             " extract(epoch FROM o.at)::float8 FROM topics CROSS JOIN LATERAL"
             f" (SELECT min(m.available_at) AS at FROM {self.t} m WHERE m.{claimable}"
-            "  AND m.topic = topics.topic) o WHERE topic IS NOT NULL"
+            f"  AND m.topic = topics.topic AND {_DUE}) o WHERE topic IS NOT NULL"
         )
 
     @property
     def topic_lag(self) -> str:
         # $1 topic: its lag and the epoch its oldest due event became due (the claim
-        # index's first entry of the topic)
+        # index's first due entry of the topic; NULL when none is due)
         return (
             "SELECT extract(epoch FROM (now() - min(available_at)))::float8,"
             " extract(epoch FROM min(available_at))::float8"
-            f" FROM {self.t} WHERE status IN ('pending', 'retry') AND topic = $1"
+            f" FROM {self.t} WHERE status IN ('pending', 'retry') AND topic = $1 AND {_DUE}"
         )
 
     @property
@@ -227,9 +242,11 @@ class WebQueries:
         "CASE WHEN status = 'pending' AND available_at > now() THEN 'scheduled'"
         " ELSE status::text END"
     )
+    # times as text: a stored one may be outside the years a datetime holds (`_times`)
     _COLUMNS = (
         f"id, topic, {STATE}, ordering_key, dedupe_key, attempts, max_attempts,"
-        " created_at, available_at, finished_at, left(last_error, 200), locked_by"
+        f" {as_text('created_at')}, {as_text('available_at')}, {as_text('finished_at')},"
+        " left(last_error, 200), locked_by"
     )
 
     def event_list(self, where: str, limit: int) -> str:
@@ -254,8 +271,8 @@ class WebQueries:
     def event(self) -> str:
         return (
             f"SELECT id, topic, {self.STATE} AS status, ordering_key, dedupe_key, attempts,"
-            " max_attempts, created_at, available_at, updated_at, finished_at, locked_by,"
-            " locked_at, lease_expires_at, last_error, payload::text, headers::text,"
+            f" max_attempts, {', '.join(as_text(c) for c in EVENT_TIMES)}, locked_by,"
+            " last_error, payload::text, headers::text,"
             " message_id, blocks_key, failures::text AS failures"
             f" FROM {self.events} WHERE id = $1"
         )
@@ -278,8 +295,8 @@ class WebQueries:
         # the key-head index, or the retry index for one topic) or dead and blocking
         # (through the dead index)
         return (
-            "SELECT ordering_key, id, topic, status::text, attempts, available_at,"
-            " left(last_error, 200) AS last_error FROM ("
+            "SELECT ordering_key, id, topic, status::text, attempts,"
+            f" {as_text('available_at')}, left(last_error, 200) AS last_error FROM ("
             f" (SELECT * FROM {self.t} WHERE ordering_key IS NOT NULL"
             "   AND status IN ('pending', 'retry') AND status = 'retry'"
             "   AND ($2::text IS NULL OR topic = $2) ORDER BY id LIMIT $1)"
@@ -295,8 +312,8 @@ class WebQueries:
         # $1 limit, $2 topic: as `blocked_heads`, for one topic (the retry index and the
         # dead index both lead with the topic)
         return (
-            "SELECT ordering_key, id, topic, status::text, attempts, available_at,"
-            " left(last_error, 200) AS last_error FROM ("
+            "SELECT ordering_key, id, topic, status::text, attempts,"
+            f" {as_text('available_at')}, left(last_error, 200) AS last_error FROM ("
             f" (SELECT * FROM {self.t} WHERE status = 'retry' AND topic = $2"
             "   AND ordering_key IS NOT NULL ORDER BY id LIMIT $1)"
             " UNION ALL"

@@ -13,8 +13,10 @@ from urllib.parse import quote, urlencode
 import asyncpg
 
 from .._admin.flow import burst_for
-from .._admin.groups import GroupLimit, GroupStats, group_limits, group_stats
+from .._admin.groups import GroupLimit, GroupStats, group_limits
 from .._sql.flow import ALL_TOPICS, flow_queries
+from .._sql.groups import busiest_groups, waiting_groups
+from ..errors import InvalidArgument
 from ._backlog import Backlog
 from ._charts import Chart, minute_chart
 from ._counts import BOUND, estimated, exact
@@ -138,9 +140,7 @@ async def load_topic(conn: Any, w: WebQueries, topic: str) -> TopicPage:
     page.workers = [x for x in workers if handles(x, topic) or topic in x.topics]
     row.consumed = any(handles(x, topic) for x in workers)
     page.keys = await blocked_keys(conn, w, topic=topic)
-    page.groups = await group_stats(
-        conn, topic, top=_TOP_GROUPS, read=BOUND, schema=w.outbox.schema, table=w.outbox.table
-    )
+    page.groups = await _group_stats(conn, w, topic)
     await _group_limits(conn, w, page)
     page.known = (
         counted
@@ -157,11 +157,26 @@ _TOP_GROUPS = 10  # the groups the page lists, of each kind
 _GROUP_LIMITS = 200  # the group limits the page lists (the default, then overrides)
 
 
+async def _group_stats(conn: Any, w: WebQueries, topic: str) -> GroupStats:
+    """`admin.group_stats`' reads, for any name stored: that checks a name as a producer
+    must write it, and a raw SQL producer may have stored a blank one."""
+    q = w.outbox.qualified
+    busy = await conn.fetch(busiest_groups(q), topic, _TOP_GROUPS)
+    waiting = await conn.fetch(waiting_groups(q), topic, _TOP_GROUPS, BOUND)
+    return GroupStats(
+        topic,
+        [(r["g"] or None, r["running"]) for r in busy],
+        [(r["g"] or None, r["due"], r["lag"]) for r in waiting],
+    )
+
+
 async def _group_limits(conn: Any, w: WebQueries, page: TopicPage) -> None:
     try:
         limits = await group_limits(
             conn, page.row.topic, schema=w.outbox.schema, table=w.outbox.table
         )
+    except InvalidArgument:  # a name no limit can be set for (blank): it has none
+        return
     except (asyncpg.InsufficientPrivilegeError, asyncpg.UndefinedTableError):
         page.group_limits_unreadable = (
             f"this dashboard's database role may not read {w.outbox.table}_group_limits (or"

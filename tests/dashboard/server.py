@@ -12,7 +12,7 @@ import signal
 import socket
 import sys
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tests.clirunner import ROOT, clean_env
@@ -25,6 +25,7 @@ class Dashboard:
     url: str  # ends with /
     access: str  # what the startup line says about permissions
     proc: asyncio.subprocess.Process
+    log: list[str] = field(default_factory=list)  # its stderr lines so far
 
     def at(self, path: str) -> str:
         return self.url.rstrip("/") + path
@@ -70,7 +71,7 @@ async def dashboard(
         url = match[1].replace("0.0.0.0", "127.0.0.1")
         drain = asyncio.create_task(_drain(proc.stderr, seen))
         try:
-            yield Dashboard(url, match[2], proc)
+            yield Dashboard(url, match[2], proc, seen)
         finally:
             if proc.returncode is None:
                 proc.send_signal(signal.SIGINT)
