@@ -3,6 +3,8 @@ run was given (its DSN needs the right to CREATE DATABASE)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
@@ -36,8 +38,19 @@ async def drop_database(admin_dsn: str, name: str) -> None:
         await conn.close()
 
 
-async def free_connections(admin_dsn: str) -> int:
-    """How many more client connections the server accepts right now (approximately)."""
+async def free_connections(admin_dsn: str, want: int = 0, wait: float = 0.0) -> int:
+    """How many more client connections the server accepts right now (approximately);
+    with ``want``, waiting up to ``wait`` seconds for that many to be free (a server
+    shared with other clients frees them as their work ends)."""
+    deadline = time.monotonic() + wait
+    while True:
+        free = await _free_connections(admin_dsn)
+        if free >= want or time.monotonic() >= deadline:
+            return free
+        await asyncio.sleep(0.5)
+
+
+async def _free_connections(admin_dsn: str) -> int:
     conn = await asyncpg.connect(admin_dsn)
     try:
         limit = int(await conn.fetchval("SHOW max_connections"))

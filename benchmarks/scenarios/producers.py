@@ -46,7 +46,7 @@ async def cost_for(bench: Bench, system: Any) -> dict[str, Any]:
         await child.wait_ready()
         try:
             for level in config.producer_levels:
-                free = await free_connections(bench.admin_dsn)
+                free = await free_connections(bench.admin_dsn, level + 3, wait=30.0)
                 if free < level + 3:
                     levels[str(level)] = {"skipped": f"only {free} free connections"}
                     bench.log(f"  {system.name} x{level}: skipped, {free} free connections")

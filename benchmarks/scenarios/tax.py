@@ -85,7 +85,7 @@ async def baseline(
 
     async def measure() -> None:
         for level in config.tax_levels:
-            if await free_connections(bench.admin_dsn) < level + 4:
+            if await free_connections(bench.admin_dsn, level + 4, wait=30.0) < level + 4:
                 levels[str(level)] = {"skipped": "not enough free connections"}
                 continue
             runs: dict[str, list[float]] = {"on": [], "off": []}
