@@ -58,12 +58,12 @@ from ._admin.records import (
     TopicStats,
     UnconsumedTopic,
     WorkerStats,
+    dead_event,
 )
 from ._engine.watchdog import inspect_mvcc
 from ._sql.admin import AdminQueries, admin_queries
 from ._sql.statements import DEFAULT_SCHEMA, DEFAULT_TABLE, queries
-from ._values.codec import decode_json
-from ._values.limits import check_count, check_seconds
+from ._values.limits import check_count, check_seconds, check_topic_name
 from .errors import InvalidArgument
 
 __all__ = [
@@ -108,12 +108,15 @@ __all__ = [
 logger = logging.getLogger("aiooutbox.admin")
 
 PURGEABLE = ("done", "dead")
+MAX_LIST = 100_000  # the most dead events `dead_list` returns at once
 _DEAD_BATCH = 1000  # dead events `dead_purge` deletes per transaction
 _BLOCKED_SHOWN = 20  # blocked ordered keys `stats` lists
 # `stats` names a topic as unconsumed once its oldest claimable event waited this long
 # with no consumer in sight (a poll-only consumer advertises nothing while idle)
 UNCONSUMED_AFTER = 60.0
 
+# ages clamp to this: now() less 6,700 years leaves a timestamp's range; no row is older
+_MAX_AGE = 1000 * 366 * 86400.0
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 _NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)"
 _PART = re.compile(rf"({_NUMBER})(ms|s|m|h|d|w)")
@@ -143,6 +146,10 @@ def _seconds(name: str, value: float | timedelta) -> float:
     return check_seconds(name, value, maximum=math.inf)  # any age or wait, however long
 
 
+def _age(value: float | timedelta) -> float:
+    return min(_seconds("older_than", value), _MAX_AGE)  # matches the same rows
+
+
 def _ids(ids: Collection[int] | None) -> list[int] | None:
     if ids is None:
         return None
@@ -152,19 +159,25 @@ def _ids(ids: Collection[int] | None) -> list[int] | None:
     for event_id in ids:
         if isinstance(event_id, bool) or not isinstance(event_id, int):
             raise TypeError(f"event ids are ints, got {event_id!r}")
+        if not -(2**63) <= event_id < 2**63:
+            raise InvalidArgument(f"event id {event_id} is out of range (ids are 64-bit)")
         checked.append(event_id)
     if not checked:
         raise InvalidArgument("ids is empty: pass at least one event id")
     return checked
 
 
-def _selection(ids: list[int] | None, topic: str | None, everything: bool, verb: str) -> None:
-    chosen = sum((ids is not None, topic is not None, bool(everything)))
-    if chosen != 1:
+def _chosen(
+    ids: Collection[int] | None, topic: str | None, everything: bool, verb: str
+) -> tuple[list[int] | None, str | None]:
+    """The checked ids and topic; exactly one of them or ``everything``."""
+    checked, name = _ids(ids), None if topic is None else check_topic_name(topic)
+    if sum((checked is not None, name is not None, bool(everything))) != 1:
         raise InvalidArgument(
             f"say which dead events to {verb}: ids=[...], topic=... or everything=True "
             "(exactly one)"
         )
+    return checked, name
 
 
 @contextlib.asynccontextmanager
@@ -282,25 +295,14 @@ async def dead_list(
     schema: str = DEFAULT_SCHEMA,
     table: str = DEFAULT_TABLE,
 ) -> list[DeadEvent]:
-    """Dead events, oldest id first, optionally of one topic; at most ``limit``."""
-    check_count("limit", limit, 1, 100_000)
-    a = admin_queries(schema, table)
+    """Dead events, oldest id first, optionally of one topic; at most ``limit``.
+
+    A payload that cannot be decoded is listed as its stored text (`DeadEvent`)."""
+    check_count("limit", limit, 1, MAX_LIST)
+    a, name = admin_queries(schema, table), None if topic is None else check_topic_name(topic)
     async with _connection(db) as conn:
-        rows = await conn.fetch(a.dead_list, topic, limit)
-    return [
-        DeadEvent(
-            id=r[0],
-            topic=r[1],
-            dedupe_key=r[2],
-            attempts=r[3],
-            max_attempts=r[4],
-            last_error=r[5],
-            created_at=r[6],
-            finished_at=r[7],
-            payload=decode_json(r[8]),
-        )
-        for r in rows
-    ]
+        rows = await conn.fetch(a.dead_list, name, limit)
+    return [dead_event(r) for r in rows]
 
 
 async def dead_retry(
@@ -335,8 +337,7 @@ async def requeue_dead(
 ) -> list[tuple[int, str]]:
     """`dead_retry`, returning ``(id, topic)`` of each requeued event, so a caller can
     tell which of the ids it named were not dead."""
-    checked = _ids(ids)
-    _selection(checked, topic, everything, "retry")
+    checked, topic = _chosen(ids, topic, everything, "retry")
     q = queries(schema, table)
     a = admin_queries(schema, table)
     async with _connection(db) as conn, conn.transaction():
@@ -401,9 +402,8 @@ async def delete_dead(
     same transaction; if a producer is inserting into that key at that moment, the
     purge waits for the producer's transaction to end (as a row lock would).
     """
-    checked = _ids(ids)
-    _selection(checked, topic, everything, "purge")
-    age = None if older_than is None else _seconds("older_than", older_than)
+    checked, topic = _chosen(ids, topic, everything, "purge")
+    age = None if older_than is None else _age(older_than)
     a = admin_queries(schema, table)
     deleted: list[int] = []
     async with _connection(db) as conn:
@@ -458,7 +458,7 @@ async def purge(
         raise InvalidArgument(
             f"cannot purge {status!r} events: only finished ones ({' or '.join(PURGEABLE)})"
         )
-    age = _seconds("older_than", older_than)
+    age = _age(older_than)
     check_count("batch_size", batch_size, 1, 2**31 - 1)  # LIMIT's range
     q = queries(schema, table)
     a = admin_queries(schema, table)

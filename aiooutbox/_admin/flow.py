@@ -340,7 +340,8 @@ async def limit_topic(
     consumer. ``rate``: ``"50/s"``, ``"10/min"``, ``"3/h"`` (or a number per second):
     claims average at most this rate, in bursts of at most ``burst`` events (default:
     a tenth of a second's worth, at least 1). Setting a rate or a burst refills the
-    bucket. Bad values raise `InvalidArgument` before anything is written.
+    bucket. Bad values, and a burst without a rate (given or kept), raise
+    `InvalidArgument` before anything is written.
     """
     name, who, fq = check_topic_name(topic), _actor(actor), _names(schema, table)
     changes: dict[str, Any] = {}
@@ -354,6 +355,8 @@ async def limit_topic(
         changes["burst"] = _burst(burst)
     if not changes:
         raise InvalidArgument("say which limit to change: max_running=..., rate=... or burst=...")
+    if "rate" in changes and changes["rate"] is None and changes["burst"] is not None:
+        raise InvalidArgument("a burst needs a rate: give rate=... too (rate=None removes it)")
 
     async def change(conn: asyncpg.Connection) -> TopicControl:
         if changes.get("burst") is not None and "rate" not in changes:

@@ -6,6 +6,9 @@ and tests build them without a database.
 
 from __future__ import annotations
 
+import json
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -23,6 +26,8 @@ __all__ = [
     "TopicStats",
     "UnconsumedTopic",
     "WorkerStats",
+    "dead_event",
+    "stored_json",
 ]
 
 # the states `stats` counts: the table's statuses, with `pending` split by time into
@@ -258,7 +263,12 @@ class OutboxStats:
 
 @dataclass(frozen=True)
 class DeadEvent:
-    """An event in ``dead``, with the error of its last attempt."""
+    """An event in ``dead``, with the error of its last attempt.
+
+    ``payload`` is the decoded payload; when its stored JSON cannot be read (a number
+    beyond a float's range, nesting past the decoder's depth) it is the stored text
+    itself and ``payload_error`` says why.
+    """
 
     id: int
     topic: str
@@ -269,8 +279,11 @@ class DeadEvent:
     created_at: datetime
     finished_at: datetime | None
     payload: Any
+    payload_error: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data; ``payload_error`` only when the payload is its text."""
+        extra = {} if self.payload_error is None else {"payload_error": self.payload_error}
         return {
             "id": self.id,
             "topic": self.topic,
@@ -281,4 +294,39 @@ class DeadEvent:
             "created_at": self.created_at.isoformat(),
             "finished_at": self.finished_at.isoformat() if self.finished_at else None,
             "payload": self.payload,
+            **extra,
         }
+
+
+def _finite(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(f"the number {text[:40]} is beyond a float's range")
+    return number
+
+
+def stored_json(text: str) -> tuple[Any, str | None]:
+    """Stored JSON decoded exactly (integers of any size), else ``(text, why not)``."""
+    try:
+        return json.loads(text, parse_float=_finite), None
+    except RecursionError:
+        return text, "nested too deeply to decode"
+    except ValueError as exc:
+        return text, str(exc)
+
+
+def dead_event(row: Sequence[Any]) -> DeadEvent:
+    """A `DeadEvent` of a row of ``AdminQueries.dead_list``."""
+    payload, error = stored_json(row[8])
+    return DeadEvent(
+        id=row[0],
+        topic=row[1],
+        dedupe_key=row[2],
+        attempts=row[3],
+        max_attempts=row[4],
+        last_error=row[5],
+        created_at=row[6],
+        finished_at=row[7],
+        payload=payload,
+        payload_error=error,
+    )

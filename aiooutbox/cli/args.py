@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from .. import admin
 from .._sql.statements import _MAX_TABLE, validate_identifier
+from .._values.limits import check_topic_name
 from ..errors import InvalidArgument
 from . import logsetup
 from .errors import UsageError
@@ -62,6 +64,17 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+def _up_to(most: int, what: str = "a whole number") -> Callable[[str], int]:
+    """Integers from 1 to ``most``: a bound the command would otherwise refuse later."""
+
+    def check(text: str) -> int:
+        if not re.fullmatch(r"\s*\d+\s*", text) or not 1 <= int(text) <= most:
+            raise InvalidArgument(f"expected {what} from 1 to {most}, got {_clip(text)!r}")
+        return int(text)
+
+    return check
+
+
 def _non_negative_int(text: str) -> int:
     if not re.fullmatch(r"\s*\d+\s*", text):
         raise InvalidArgument(f"expected a whole number (0 or more), got {text!r}")
@@ -85,10 +98,26 @@ def _topic_list(text: str) -> list[str]:
 
 
 def _json_value(text: str) -> Any:
+    """JSON as `enqueue` takes it: no NaN or Infinity, no number beyond a float's range."""
     try:
-        return json.loads(text)
+        return json.loads(text, parse_float=_finite_float, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
         raise InvalidArgument(f"invalid JSON {_clip(text)!r}: {exc}") from None
+    except RecursionError:
+        raise InvalidArgument(f"invalid JSON {_clip(text)!r}: nested too deeply") from None
+
+
+def _finite_float(text: str) -> float:
+    if not math.isfinite(value := float(text)):
+        raise InvalidArgument(
+            f"the number {_clip(text, 20)} is beyond a float's range (it would be "
+            "Infinity, which JSON cannot carry): send it as a string"
+        )
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise InvalidArgument(f"{name} is not JSON (NaN and Infinity are not JSON numbers)")
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -101,6 +130,13 @@ def _json_object(text: str) -> dict[str, Any]:
 def _dsn(text: str) -> str:
     """A PostgreSQL URL, checked before anything connects: a typo is a usage error."""
     dsn = text.strip()
+    try:
+        dsn.encode()
+    except UnicodeEncodeError:  # asyncpg fails on it with an error of its own internals
+        raise InvalidArgument(
+            f"invalid DSN {_clip(redact(dsn))!r}: not UTF-8 text (a byte that is not UTF-8, "
+            "read from the command line or the environment)"
+        ) from None
     scheme, sep, _ = dsn.partition("://")
     if not sep or scheme not in ("postgresql", "postgres"):
         raise InvalidArgument(
@@ -157,6 +193,9 @@ def _host(text: str) -> str:
 
 
 POSITIVE_INT = _argument_type(_positive_int, "positive_int")
+EVENT_ID = _argument_type(_up_to(2**63 - 1, "an event id"), "event_id")
+LIST_LIMIT = _argument_type(_up_to(admin.MAX_LIST), "limit")
+TOPIC = _argument_type(check_topic_name, "topic")
 NON_NEGATIVE_INT = _argument_type(_non_negative_int, "non_negative_int")
 PORT = _argument_type(_port, "port")
 HOST = _argument_type(_host, "host")

@@ -155,7 +155,7 @@ async def cmd_dead_retry(args: argparse.Namespace) -> int:
         )
         missed = await _missed(conn, args, {r[0] for r in rows})
     requeued = collections.Counter(topic for _, topic in rows)
-    detail = ", ".join(f"{topic}: {n}" for topic, n in sorted(requeued.items()))
+    detail = ", ".join(f"{output.safe(t)}: {n}" for t, n in sorted(requeued.items()))
     print(f"requeued {len(rows)} dead event(s)" + (f" ({detail})" if detail else ""))
     return _report_missed(args, "requeued", missed)
 

@@ -1,14 +1,36 @@
-"""Plain-text rendering for the command line: tables, ages, the stats and dead-letter views."""
+"""Plain-text rendering for the command line: tables, ages, the stats and dead-letter views.
+
+Text read from the database (topics, errors, worker names) is shown with control
+characters escaped (`safe`): a stored escape sequence never reaches the terminal.
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from .._engine.options import ConsumerOptions
 from .._engine.watchdog import MvccReport
 from ..admin import STATUSES, DeadEvent, OutboxStats
 
-__all__ = ["age", "databases_view", "dead_table", "duration", "stats_view", "table"]
+__all__ = ["age", "databases_view", "dead_table", "duration", "safe", "stats_view", "table"]
+
+# C0 and C1 controls, DEL, line and paragraph separators, and the bidirectional marks,
+# embeddings, overrides and isolates (which reorder the text around them)
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match[0])
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def safe(text: str, *, lines: bool = False) -> str:
+    """``text`` with every terminal-affecting character escaped (``\\x1b``,
+    ``\\u202e``); with ``lines``, newlines are kept."""
+    if lines:
+        return "\n".join(_UNSAFE.sub(_escape, line) for line in text.split("\n"))
+    return _UNSAFE.sub(_escape, text)
 
 
 def age(seconds: float | None) -> str:
@@ -38,7 +60,7 @@ def duration(seconds: float) -> str:
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """Columns padded to fit; numbers (estimates ``≈N`` too) right-aligned, text
     left-aligned."""
-    cells = [[str(c) for c in row] for row in rows]
+    cells = [[safe(str(c)) for c in row] for row in rows]
     numeric = [all(_number(row[i]) for row in rows) if rows else False for i in range(len(headers))]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
 
@@ -104,18 +126,18 @@ def stats_view(report: OutboxStats, *, hint: str = "") -> str:
         dead += f" (python -m aiooutbox dead list{hint})"
     parts += [f"lag: {lag}", dead]
     if report.paused:
-        shown = "every topic" if report.paused == ["*"] else ", ".join(report.paused)
+        shown = "every topic" if report.paused == ["*"] else ", ".join(map(safe, report.paused))
         parts.append(f"paused: {shown} (python -m aiooutbox topics{hint})")
     for c in report.controls:
         if c.limited:
             limits = [f"max running {c.max_running}"] if c.max_running is not None else []
             if c.rate_text is not None:
                 limits.append(f"rate {c.rate_text} (burst {c.burst:g})")
-            parts.append(f"limited: {c.topic}: {', '.join(limits)}")
+            parts.append(f"limited: {safe(c.topic)}: {', '.join(limits)}")
     for u in report.unconsumed:
         parts.append(
-            f"warning: {u.topic}: {u.waiting} event(s) waiting up to {age(u.lag)} and no "
-            "consumer seen handling the topic (none holds its events, none idle advertises "
+            f"warning: {safe(u.topic)}: {u.waiting} event(s) waiting up to {age(u.lag)} and "
+            "no consumer seen handling the topic (none holds its events, none idle advertises "
             "it): run one with a handler for it"
         )
     for b in report.blocked_keys:
@@ -125,12 +147,12 @@ def stats_view(report: OutboxStats, *, hint: str = "") -> str:
             else f"failing, attempt {b.attempts}, next try {b.available_at:%H:%M:%S}"
         )
         parts.append(
-            f"blocked key {b.ordering_key!r}: head event {b.head_id} ({b.topic}) {why}; "
+            f"blocked key {b.ordering_key!r}: head event {b.head_id} ({safe(b.topic)}) {why}; "
             f"{b.waiting} event(s) waiting behind it"
         )
     if report.mvcc is not None:
         parts += _mvcc_lines(report.mvcc)
-    return "\n".join(parts)
+    return safe("\n".join(parts), lines=True)  # the session names of the mvcc lines too
 
 
 def databases_view(reports: Sequence[tuple[str, OutboxStats | str]], *, hint: str = "") -> str:
@@ -145,11 +167,11 @@ def databases_view(reports: Sequence[tuple[str, OutboxStats | str]], *, hint: st
         rows.append([name, *_counts(report, report.totals), age(report.lag)])
         if report.dead:
             notes.append(f"{name}: {report.dead} dead (python -m aiooutbox dead list{hint})")
-        notes += [f"{name}: warning: {u.topic}: {u.waiting} event(s) waiting up to "
+        notes += [f"{name}: warning: {safe(u.topic)}: {u.waiting} event(s) waiting up to "
                   f"{age(u.lag)} and no consumer seen handling the topic"
                   for u in report.unconsumed]  # fmt: skip
-        notes += [f"{name}: blocked key {b.ordering_key!r}: head event {b.head_id} ({b.topic}) "
-                  f"{b.status}; {b.waiting} event(s) waiting behind it"
+        notes += [f"{name}: blocked key {b.ordering_key!r}: head event {b.head_id} "
+                  f"({safe(b.topic)}) {b.status}; {b.waiting} event(s) waiting behind it"
                   for b in report.blocked_keys]  # fmt: skip
     found = [r for _, r in reports if not isinstance(r, str)]
     if found:
@@ -162,7 +184,7 @@ def databases_view(reports: Sequence[tuple[str, OutboxStats | str]], *, hint: st
             ]
         )
     text = table(["DATABASE", *(s.upper() for s in STATUSES), "LAG"], rows)
-    return "\n".join([text, *(["", *notes] if notes else [])])
+    return safe("\n".join([text, *(["", *notes] if notes else [])]), lines=True)
 
 
 def _mvcc_lines(mvcc: MvccReport) -> list[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from .. import __version__, admin
-from .args import DURATION, JSON, JSON_OBJECT, POSITIVE_INT, choices
+from .args import DURATION, EVENT_ID, JSON, JSON_OBJECT, LIST_LIMIT, POSITIVE_INT, TOPIC, choices
 from .commands import (
     cmd_dead_list,
     cmd_dead_purge,
@@ -177,9 +177,13 @@ def build_parser(prog: str = "aiooutbox") -> argparse.ArgumentParser:
         """,
     )
     dlist.set_defaults(func=cmd_dead_list)
-    dlist.add_argument("--topic", help="only this topic")
+    dlist.add_argument("--topic", type=TOPIC, help="only this topic")
     dlist.add_argument(
-        "--limit", type=POSITIVE_INT, metavar="N", default=50, help="at most this many (50)"
+        "--limit",
+        type=LIST_LIMIT,
+        metavar="N",
+        default=50,
+        help=f"at most this many (default 50, at most {admin.MAX_LIST})",
     )
     dlist.add_argument("--json", action="store_true", help="print JSON, with full errors")
     add_database_options(dlist)
@@ -204,12 +208,12 @@ def build_parser(prog: str = "aiooutbox") -> argparse.ArgumentParser:
             "--id",
             dest="ids",
             metavar="ID",
-            type=POSITIVE_INT,
+            type=EVENT_ID,
             nargs="+",
             action="extend",
             help="event ids",
         )
-        which.add_argument("--topic", help="every dead event of this topic")
+        which.add_argument("--topic", type=TOPIC, help="every dead event of this topic")
         which.add_argument("--all", action="store_true", help="every dead event")
         if name == "purge":
             action.add_argument(

@@ -12,11 +12,11 @@ from .._admin.flow import has_claimable
 from .._admin.records import TopicControl, TopicInfo
 from .._values.limits import check_topic_name
 from ..errors import InvalidArgument
-from .args import POSITIVE_INT
+from .args import LIST_LIMIT
 from .connect import database
 from .errors import CommandError, UsageError
 from .options import add_command, add_database_options, add_logging_options
-from .output import age, table
+from .output import age, safe, table
 
 __all__ = ["add_topics_command"]
 
@@ -124,7 +124,9 @@ def add_topics_command(commands: Any, prog: str) -> None:
     )
     hist.set_defaults(func=cmd_topics_history)
     hist.add_argument("topic", nargs="?", help="only this topic")
-    hist.add_argument("--limit", type=POSITIVE_INT, metavar="N", default=20, help="default 20")
+    hist.add_argument(
+        "--limit", type=LIST_LIMIT, metavar="N", default=20, help="default 20, at most 100000"
+    )
     hist.add_argument("--json", action="store_true", help="print JSON for scripts")
     _common(hist)
 
@@ -217,7 +219,7 @@ async def cmd_topics_show(args: argparse.Namespace) -> int:
         print(f"most waiting groups (due, oldest): {shown}")
     for c in changes:
         print(
-            f"{c.at:%Y-%m-%d %H:%M:%S} {c.actor}: {c.action} "
+            f"{c.at:%Y-%m-%d %H:%M:%S} {safe(c.actor)}: {c.action} "
             f"({json.dumps(c.before)} -> {json.dumps(c.after)})"
         )
     return 0
@@ -274,6 +276,10 @@ async def cmd_topics_limit(args: argparse.Namespace) -> int:
         grouped["rate"] = None if args.group_rate.strip().lower() == "none" else args.group_rate
     if args.group_burst is not None:
         grouped["burst"] = _none_or(args.group_burst, "--group-burst", float)
+    for flag, limits in (("--rate", changes), ("--group-rate", grouped)):
+        if "rate" in limits and limits["rate"] is None and limits.get("burst") is not None:
+            burst = flag.replace("rate", "burst")
+            raise UsageError(f"{burst} needs a rate: {flag} none removes the rate and its burst")
     if args.group is not None and (changes or not grouped):
         raise UsageError("--group takes only --group-max-running, --group-rate, --group-burst")
     if not (changes or grouped):
