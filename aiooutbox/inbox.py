@@ -36,6 +36,7 @@ import asyncpg
 from ._sql import drivers
 from ._sql.inbox import SAVEPOINT, InboxQueries, inbox_queries
 from ._sql.statements import DEFAULT_SCHEMA, DEFAULT_TABLE
+from ._values.codec import check_utf8
 from ._values.limits import InvalidArgument, check_count, check_seconds
 
 __all__ = ["DEFAULT_CONSUMER", "purge", "record", "record_sync"]
@@ -43,6 +44,9 @@ __all__ = ["DEFAULT_CONSUMER", "purge", "record", "record_sync"]
 DEFAULT_CONSUMER = "default"
 MAX_CONSUMER = 200
 MAX_MESSAGE_ID = 1000
+# in UTF-8 bytes: the primary key's btree refuses an entry over 2,704 bytes, which would
+# abort the caller's transaction; a consumer name's 200 characters take at most 800
+MAX_MESSAGE_ID_BYTES = 1800
 #: the levels under which `InboxQueries.record` inserts at once (the same in PostgreSQL)
 _INSERTED_AT_ONCE = frozenset({"read committed", "read uncommitted"})
 _SNAPSHOT = "repeatable read"
@@ -147,17 +151,25 @@ async def purge(
 def _prepare(
     message_id: object, consumer: object, schema: str, table: str
 ) -> tuple[InboxQueries, tuple[str, str]]:
-    """Check every argument, before any I/O."""
+    """Check every argument, before any I/O: what the server or the driver would refuse
+    mid-transaction (an index entry too large, a lone surrogate) is refused here."""
     q = inbox_queries(schema, table)
-    for name, value, longest in (
-        ("message_id", message_id, MAX_MESSAGE_ID),
-        ("consumer", consumer, MAX_CONSUMER),
+    for name, value, longest, most_bytes in (
+        ("message_id", message_id, MAX_MESSAGE_ID, MAX_MESSAGE_ID_BYTES),
+        ("consumer", consumer, MAX_CONSUMER, 4 * MAX_CONSUMER),  # never more bytes
     ):
         if not isinstance(value, str):
             raise TypeError(f"{name} must be a str, not {type(value).__name__}")
         if not value or "\x00" in value or len(value) > longest:
             raise InvalidArgument(
                 f"{name} must be 1-{longest} characters without NUL, got {value[:80]!r}"
+            )
+        check_utf8(value, name)
+        # len() first: a value of few characters cannot exceed the limit in bytes
+        if len(value) > most_bytes // 4 and len(value.encode()) > most_bytes:
+            raise InvalidArgument(
+                f"{name} must be at most {most_bytes} bytes in UTF-8, got"
+                f" {len(value.encode())}: {value[:40]!r}..."
             )
     return q, (str(consumer), str(message_id))
 

@@ -145,7 +145,7 @@ def _check_headers(headers: object, encoder: Encoder | None, where: str) -> str:
     headers = _with_trace_context(headers)
     if headers is None:
         return "{}"
-    return encode_json(dict(headers), f"{where}headers", encoder)
+    return encode_json(dict(headers), f"{where}headers", encoder, json_object=True)
 
 
 def _check_max_attempts(value: object, where: str) -> int:
@@ -177,7 +177,9 @@ def _check_schedule(
                 f"{where}available_at must be between {EARLIEST_AVAILABLE_AT:%Y-%m-%d} and "
                 f"{LATEST_AVAILABLE_AT:%Y-%m-%d} (UTC), got {available_at.isoformat()}"
             )
-        return available_at, 0.0
+        # in UTC for every driver: psycopg2 writes the offset into the statement's text,
+        # which PostgreSQL refuses beyond ±15:59 or with seconds
+        return available_at.astimezone(timezone.utc), 0.0
     if delay is None:
         return None, 0.0
     seconds = check_seconds(f"{where}delay", delay, maximum=MAX_ENQUEUE_DELAY_SECONDS)
@@ -229,10 +231,12 @@ class Batch:
     Rows are bound in `_insert_order`: unordered rows with a dedupe key sorted by it,
     then ordered rows grouped by ordering key, then keyless unordered rows, each group in
     input order. Producers whose batches share keys take the locks in the same order and
-    wait for each other instead of deadlocking; `results` restores input order.
+    wait for each other instead of deadlocking; `results` restores input order. A dedupe
+    key's later copies in the batch are not bound at all: whichever copy came first in
+    the sorted order would win the conflict, and it must be the first in input order.
     """
 
-    __slots__ = ("order", "q", "rows")
+    __slots__ = ("inserted", "q", "rows")
 
     def __init__(
         self, events: Iterable[NewEvent], schema: str, table: str, encoder: Encoder | None
@@ -250,17 +254,26 @@ class Batch:
             if len(rows) > MAX_BATCH:
                 raise InvalidArgument(f"enqueue_many takes at most {MAX_BATCH} events per call")
         self.rows = rows
-        self.order = sorted(range(len(rows)), key=lambda i: _insert_order(rows[i], i))
+        taken: set[str] = set()
+        kept: list[int] = []
+        for i, row in enumerate(rows):
+            if row.dedupe_key is not None:
+                if row.dedupe_key in taken:
+                    continue  # a later copy: `results` gives it None
+                taken.add(row.dedupe_key)
+            kept.append(i)
+        kept.sort(key=lambda i: _insert_order(rows[i], i))
+        self.inserted = [rows[i] for i in kept]
 
     @property
     def statement(self) -> str:
-        if any(r.ordering_key is not None for r in self.rows):
+        if any(r.ordering_key is not None for r in self.inserted):
             return self.q.insert_many
         return self.q.insert_many_unordered
 
     def params(self) -> tuple[list[Any], ...]:
         """The nine arrays of `Queries.insert_many`, in insertion order."""
-        ordered = [self.rows[i] for i in self.order]
+        ordered = self.inserted
         return (
             [r.topic for r in ordered],
             [r.payload for r in ordered],
@@ -300,8 +313,8 @@ def _insert_order(row: _Row, index: int) -> tuple[int, str, int]:
 
     Unordered rows with a dedupe key come first, sorted by it, so producers whose
     batches share keys take the unique index's locks in the same order and wait for each
-    other instead of deadlocking (a stable sort: the first occurrence of a key still
-    wins). Ordered rows follow, grouped by ordering key in key order (the per-key locks
+    other instead of deadlocking (a key's later copies in the batch are dropped before
+    this). Ordered rows follow, grouped by ordering key in key order (the per-key locks
     of migration 0005, taken in the same order by every producer) and in input order
     within a key, which is their delivery order. Keyless unordered rows come last.
     """
@@ -341,7 +354,8 @@ async def enqueue(
     the way the library would on its own first statement), so the event exists if and
     only if that transaction commits; on a pool it commits on its own. Every argument is
     validated before anything is sent; ``payload`` and ``headers`` must be
-    JSON-serialisable (no NaN or Infinity) unless ``encoder`` says otherwise.
+    JSON-serialisable (no NaN or Infinity, integers within 64 bits), and an ``encoder``'s
+    output is checked the same way (docs/producers.md).
     """
     execute = drivers.async_executor(conn)
     q, sql, params = prepare_one(
@@ -372,7 +386,7 @@ async def enqueue_many(
     """Insert many events in one statement; return one id (or ``None``) per input, in order.
 
     ``None`` marks an event whose ``dedupe_key`` already existed, in the table or earlier
-    in the same batch (the first occurrence wins). One statement means one wake-up
+    in the same batch (the first in input order is the one stored). One statement means one wake-up
     notification per distinct topic, however many events. ``conn`` is what `enqueue`
     takes.
     """

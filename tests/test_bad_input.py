@@ -80,6 +80,12 @@ BAD_EVENTS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("payload-nul", {"payload": {"a": "x\x00y"}}, InvalidArgument, "NUL"),
     ("payload-nul-key", {"payload": {"\x00": 1}}, InvalidArgument, "NUL"),
     ("payload-surrogate", {"payload": {"a": "\udfff"}}, InvalidArgument, "not valid Unicode"),
+    # a consumer's decoder (orjson) would turn these into floats, or fail on them
+    ("payload-int-2**64", {"payload": {"n": 2**64}}, InvalidArgument, "fit in 64 bits"),
+    ("payload-int-below-i64", {"payload": [-(2**63) - 1]}, InvalidArgument, "fit in 64 bits"),
+    ("payload-int-23-digits", {"payload": 12345678901234567890123}, InvalidArgument, "64 bits"),
+    ("payload-int-10**400", {"payload": {"n": [10**400]}}, InvalidArgument, "fit in 64 bits"),
+    ("headers-int-2**64", {"headers": {"n": 2**64}}, InvalidArgument, "fit in 64 bits"),
     ("delay-negative", {"delay": -1}, InvalidArgument, "delay must be a finite number"),
     ("delay-tiny-negative", {"delay": -0.001}, InvalidArgument, "delay must be"),
     ("delay-negative-td", {"delay": timedelta(seconds=-1)}, InvalidArgument, "delay must be"),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
+import re
 import signal
 import sys
 import uuid
@@ -152,6 +154,47 @@ async def test_bad_input_is_refused_before_anything_is_written(dsn: str) -> None
             with pytest.raises(aiooutbox.InvalidArgument, match="older_than"):
                 await inbox.purge(pool, older_than)
         assert await count(pool) == 0
+
+
+def random_text(seed: int, count: int, low: int, high: int) -> str:
+    """``count`` characters drawn from ``low..high``: text the index cannot compress."""
+    rnd = random.Random(seed)
+    return "".join(chr(rnd.randint(low, high)) for _ in range(count))
+
+
+async def test_ids_the_server_or_driver_would_refuse_are_refused_first(dsn: str) -> None:
+    """Within the character limits but over the primary key's 2,704-byte entry (which
+    would abort the transaction), or not encodable as UTF-8 (the driver's error): refused
+    with `InvalidArgument` before anything is sent, the transaction still usable."""
+    cjk = random_text(1, 1000, 0x4E00, 0x9FFF)  # 1,000 characters, 3,000 bytes
+    emoji = random_text(2, 200, 0x1F300, 0x1F5FF)  # 200 characters, 800 bytes
+    cases = [
+        (cjk, "default", "message_id must be at most 1800 bytes in UTF-8, got 3000"),
+        (cjk[:601], emoji, "message_id must be at most 1800 bytes in UTF-8, got 1803"),
+        ("id-\udc80", "default", "message_id is not valid Unicode text"),
+        ("id-1", "\ud800", "consumer is not valid Unicode text"),
+    ]
+    async with asyncpg.create_pool(dsn, min_size=1, max_size=1) as pool:
+        async with pool.acquire() as conn, conn.transaction():
+            await conn.execute("CREATE TEMP TABLE work (x int)")
+            for message_id, consumer, message in cases:
+                with pytest.raises(aiooutbox.InvalidArgument, match=re.escape(message)):
+                    await inbox.record(conn, message_id, consumer=consumer)
+                await conn.execute("INSERT INTO work VALUES (1)")  # the transaction works
+            assert await count(conn) == 0
+            # the largest accepted: 1,800 bytes beside a 200-emoji consumer fit the index
+            for seed, low, high, chars in ((3, 0x4E00, 0x9FFF, 600), (4, 0x10000, 0x10FFF, 450)):
+                widest = random_text(seed, chars, low, high)
+                assert len(widest.encode()) == 1800
+                assert await inbox.record(conn, widest, consumer=emoji) is True
+            assert await count(conn) == 2
+            assert await conn.fetchval("SELECT count(*) FROM work") == len(cases)
+        with psycopg.connect(dsn) as sconn:
+            for message_id, consumer, message in cases:
+                with pytest.raises(aiooutbox.InvalidArgument, match=re.escape(message)):
+                    inbox.record_sync(sconn, message_id, consumer=consumer)
+            assert inbox.record_sync(sconn, "after", consumer=emoji) is True
+            sconn.rollback()
 
 
 async def test_retention_purges_old_ids_in_batches(pool: asyncpg.Pool) -> None:

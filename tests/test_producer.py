@@ -154,7 +154,8 @@ PAYLOADS = [
     12345,
     0.1,
     -1.5e-10,
-    10**40,
+    2**64 - 1,  # the largest integer accepted (tests/test_producer_checks.py)
+    -(2**63),
     True,
     None,
     {"unicode": "żółć 😀 日本語", "quote": 'a"b\\c', "newline": "x\ny\tz"},
