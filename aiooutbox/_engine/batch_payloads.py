@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio
 import anyio.to_thread
 
 from .._values.codec import Decoder, decode_json
@@ -22,7 +23,7 @@ class Undecodable:
 
     __slots__ = ("error",)
 
-    def __init__(self, error: Exception) -> None:
+    def __init__(self, error: BaseException) -> None:
         self.error = error
 
 
@@ -50,6 +51,8 @@ async def decode_each(rows: list[ClaimedRow], decode: Decoder) -> list[Any]:
                 payloads.append(await anyio.to_thread.run_sync(decode, row.payload))
             else:
                 payloads.append(decode(row.payload))
-        except Exception as exc:  # not a cancellation: the caller releases the rows then
+        except anyio.get_cancelled_exc_class():
+            raise  # the caller releases the rows
+        except BaseException as exc:  # SystemExit and friends too: the batch stops the consumer
             payloads.append(Undecodable(exc))
     return payloads

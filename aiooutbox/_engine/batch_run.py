@@ -32,7 +32,7 @@ from ..handlers import Handler
 from .batch_payloads import Undecodable, decode_all, decode_each
 from .batch_results import check_result, log_failures
 from .batches import BatchHandoff, Pool, Slots
-from .executor import Executor, _reason, describe
+from .executor import Executor, _reason, describe, overran
 from .handoff import Ticket
 from .rows import ClaimedRow, Outcome, Settlement, from_epoch
 
@@ -257,7 +257,7 @@ class BatchExecutor(Executor):
     def _undecodable(
         self,
         row: ClaimedRow,
-        exc: Exception,
+        exc: BaseException,
         outcome: Outcome,
         stopped: set[str],
         keys_in: set[str],
@@ -271,7 +271,10 @@ class BatchExecutor(Executor):
             stopped.add(key)
             self.give_back([row])
             return
-        shown = self._fail(row, exc, outcome, None)
+        if outcome is Outcome.RETRY:
+            shown = self.undecodable(row, exc)
+        else:
+            shown = self._fail(row, exc, outcome, None)
         self._finish(row)
         if key is not None and shown != "dead":
             stopped.add(key)
@@ -294,8 +297,9 @@ class BatchExecutor(Executor):
             if timeout is None:
                 result = await handler.func(given)
             else:
-                with anyio.fail_after(timeout):
+                with anyio.fail_after(timeout) as scope:
                     result = await handler.func(given)
+                overran(scope, timeout)
         except anyio.get_cancelled_exc_class() as exc:
             if self._is_hurried():
                 counts = self._release(started, stopped)

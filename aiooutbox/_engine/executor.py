@@ -35,6 +35,17 @@ logger = logging.getLogger("aiooutbox.consumer")
 _THREAD_DECODE_CHARS = 256 * 1024
 
 
+def overran(scope: anyio.CancelScope, timeout: float) -> None:
+    """Raise `TimeoutError` if a handler returned after its timeout's deadline: one
+    that blocked the event loop (synchronous work) past it was never cancelled, and
+    its attempt fails as a cancelled one does."""
+    if anyio.current_time() >= scope.deadline:
+        raise TimeoutError(
+            f"the handler returned after its timeout of {timeout:g}s: it blocked the event"
+            " loop past it (synchronous work), so it could not be cancelled in time"
+        )
+
+
 def describe(exc: BaseException) -> str:
     """The text kept in ``last_error``: type, message and the end of the traceback.
 
@@ -211,8 +222,9 @@ class Executor:
                 if timeout is None:
                     await handler.func(event)
                 else:
-                    with anyio.fail_after(timeout):
+                    with anyio.fail_after(timeout) as scope:
                         await handler.func(event)
+                    overran(scope, timeout)
             except Retry as exc:
                 error = exc
                 outcome = self._fail(row, exc, Outcome.RETRY, handler, delay=exc.delay)
@@ -266,10 +278,25 @@ class Executor:
         except anyio.get_cancelled_exc_class():
             self.release(row)
             raise
-        except Exception as exc:
-            self._fail(row, exc, Outcome.RETRY, None)
+        except BaseException as exc:
+            self.undecodable(row, exc)
             return None
         return self._event(row, lambda _: payload)
+
+    def undecodable(self, row: ClaimedRow, exc: BaseException) -> str:
+        """Fail ``row``, whose payload or headers the decoder refused (a retry); one
+        that raised ``SystemExit``, ``KeyboardInterrupt`` or another `BaseException`
+        also stops the consumer gracefully, as a handler raising it does."""
+        shown = self._fail(row, exc, Outcome.RETRY, None)
+        if not isinstance(exc, Exception):
+            logger.error(
+                "the decoder raised %s on event %d; stopping the consumer",
+                exception_repr(exc),
+                row.id,
+                extra={"event_id": row.id, "topic": row.topic, "attempt": row.attempts},
+            )
+            self._on_fatal(exc)
+        return shown
 
     def _event(self, row: ClaimedRow, decode: Decoder) -> Event | None:
         """The handler's view of ``row``, or ``None`` (recorded as a failure) if its
@@ -280,8 +307,8 @@ class Executor:
         except anyio.get_cancelled_exc_class():
             self.release(row)
             raise
-        except Exception as exc:
-            self._fail(row, exc, Outcome.RETRY, None)
+        except BaseException as exc:
+            self.undecodable(row, exc)
             return None
         if not isinstance(headers, dict):
             # only a raw SQL producer can store this; no retry will change it
