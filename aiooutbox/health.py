@@ -8,9 +8,10 @@ answer it). Exactly what is checked, in order:
 2. its claim loop completed a claim (empty or not) within ``max_silence`` seconds
    (default ``3 x poll_interval + statement_timeout``: an idle consumer claims at least
    once per jittered poll interval, and a claim may take up to ``statement_timeout``);
-3. only when no claim was due because every handler slot is busy: one bounded
-   ``SELECT 1`` through the consumer's pool answered (cached for a second, so a probe
-   storm costs one query).
+3. only when no claim was due because every handler slot is busy: one ``SELECT 1``
+   through the consumer's pool answered within 3 s (or ``statement_timeout``, if
+   shorter), so ``/healthz`` answers 503 in time when the database stalls. One probe
+   runs at a time and its answer is cached for a second: a probe storm costs one query.
 
 So a dead database, a closed pool, a stuck claim loop or a consumer that gave up all
 answer 503, while a busy consumer running long handlers answers 200. The LISTEN
@@ -37,6 +38,8 @@ __all__ = ["ConsumerHealth", "HealthStatus"]
 logger = logging.getLogger("aiooutbox.health")
 
 _PROBE_CACHE = 1.0
+#: the longest the ``SELECT 1`` probe waits (or ``statement_timeout``, if shorter)
+PROBE_TIMEOUT = 3.0
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class ConsumerHealth(Observer):
         self._last_claim: float | None = None
         self._seen_running: float | None = None
         self._probe: tuple[float, bool, str] | None = None  # (when, answered, error)
+        self._probing: anyio.Event | None = None  # set when the probe in flight ends
 
     # -- Observer ------------------------------------------------------------------
     def attached(self, consumer: ObservedConsumer) -> None:
@@ -143,21 +147,38 @@ class ConsumerHealth(Observer):
         if answered:
             return HealthStatus(True, "every handler slot busy; the database answered", details)
         return HealthStatus(
-            False, f"every handler slot busy and the database did not answer: {error}", details
+            False, f"every handler slot busy and the database probe failed: {error}", details
         )
 
     async def _probe_database(self, consumer: ObservedConsumer) -> tuple[bool, str]:
-        now = time.monotonic()
-        if self._probe is not None and now - self._probe[0] < _PROBE_CACHE:
-            return self._probe[1], self._probe[2]
+        """One ``SELECT 1`` at a time: concurrent checks wait for the one in flight and
+        share its (cached) answer, so a probe storm on a slow database costs one query."""
+        while True:
+            cached = self._probe
+            if cached is not None and time.monotonic() - cached[0] < _PROBE_CACHE:
+                return cached[1], cached[2]
+            if self._probing is None:
+                break
+            await self._probing.wait()  # its result is cached, unless it was cancelled
+        self._probing = done = anyio.Event()
+        try:
+            result = await self._select_one(consumer)
+            self._probe = (time.monotonic(), *result)
+        finally:
+            self._probing = None
+            done.set()
+        return result
+
+    async def _select_one(self, consumer: ObservedConsumer) -> tuple[bool, str]:
+        # A few seconds, not statement_timeout: /healthz must answer before its
+        # connection is given up on (MetricsServer allows 5 s, a kubelet often less).
+        timeout = min(PROBE_TIMEOUT, consumer.options.statement_timeout)
         pool = consumer.pool  # the consumer's own pool: the one its claims go through
-        timeout = consumer.options.statement_timeout
         try:
             with anyio.fail_after(timeout):
                 await pool.fetchval("SELECT 1", timeout=timeout)
+        except TimeoutError:
+            return False, f"the database did not answer within {timeout:g}s"
         except TRANSIENT_ERRORS as exc:
-            result = (False, describe_exception(exc))
-        else:
-            result = (True, "")
-        self._probe = (time.monotonic(), *result)
-        return result
+            return False, describe_exception(exc)
+        return True, ""

@@ -127,6 +127,13 @@ class _Counting(Observer):
         sizes.observe(len(events))
 
 
+# the instance whose families each registry holds (`OutboxMetrics.registered`); weak
+# both ways, as an instance refers to its registry
+_REGISTERED: weakref.WeakKeyDictionary[CollectorRegistry, weakref.ref[OutboxMetrics]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 class OutboxMetrics(_Counting):
     """Registers aiooutbox's metric families on ``registry`` and feeds them as an observer.
 
@@ -171,12 +178,28 @@ class OutboxMetrics(_Counting):
             for done in registered:
                 self.registry.unregister(done)
             raise
+        _REGISTERED[self.registry] = weakref.ref(self)
+
+    @classmethod
+    def registered(cls, registry: CollectorRegistry | None = None) -> OutboxMetrics | None:
+        """The instance whose families ``registry`` (default: the global ``REGISTRY``)
+        holds, if any: ``run --metrics-port`` reuses the one a handlers module made
+        rather than fail on the duplicate names."""
+        found = _REGISTERED.get(REGISTRY if registry is None else registry)
+        return None if found is None else found()
 
     def unregister(self) -> None:
         """Remove every family from the registry (a test, or a second instance)."""
         for collector in self._collectors:
             with contextlib.suppress(KeyError):
                 self.registry.unregister(collector)
+        found = _REGISTERED.get(self.registry)
+        if found is not None and found() is self:
+            del _REGISTERED[self.registry]
+
+    def tracks_queue(self, database: str | None = None) -> bool:
+        """Whether `queue_gauges` is running for the queue table of ``database``."""
+        return database in self._queues
 
     def database(self, name: str) -> DatabaseMetrics:
         """The observer for the consumer of the database called ``name``: its counts and

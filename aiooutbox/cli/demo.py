@@ -17,6 +17,7 @@ from typing import Any
 import asyncpg
 
 from .. import admin
+from .._engine.options import ConsumerOptions
 from .._sql.admin import admin_queries
 from ..consumer import OutboxConsumer
 from ..errors import Dead, InvalidArgument, Retry
@@ -26,12 +27,15 @@ from ..migrations import migrate
 from ..producer import enqueue_many
 from ..retry import RetryPolicy
 from . import output
+from .errors import UsageError
 
-__all__ = ["router", "run_demo", "sample_events"]
+__all__ = ["check_options", "router", "run_demo", "sample_events"]
 
 # short delays, so that retries and dead letters happen within the demo's seconds
 DEMO_RETRY = RetryPolicy(base=0.05, max_delay=0.5)
 TIME_LIMIT = 50.0
+#: more would not finish within TIME_LIMIT, and would take seconds and memory to build
+MAX_EVENTS = 100_000
 # every demo event carries the header, so the demo never empties a table it did not fill
 _DEMO: dict[str, Any] = {"max_attempts": 4, "headers": {"demo": True}}
 
@@ -87,6 +91,19 @@ def sample_events(total: int) -> list[NewEvent]:
     return events
 
 
+def check_options(*, events: int, concurrency: int) -> None:
+    """Refuse what the demo cannot do before it writes anything (`UsageError`)."""
+    if not 1 <= events <= MAX_EVENTS:
+        raise UsageError(
+            f"--events {events}: at most {MAX_EVENTS} sample events (the demo stops"
+            f" after {TIME_LIMIT:g}s)"
+        )
+    try:
+        ConsumerOptions.build(concurrency=concurrency)
+    except InvalidArgument as exc:
+        raise UsageError(f"--concurrency {concurrency}: {exc}") from None
+
+
 async def run_demo(
     pool: asyncpg.Pool,
     *,
@@ -97,6 +114,7 @@ async def run_demo(
     hint: str,
     embedded_dir: Path | None = None,
 ) -> int:
+    check_options(events=events, concurrency=concurrency)
     q = admin_queries(schema, table)
     await migrate(pool, schema=schema, table=table)
     foreign = await pool.fetchval(q.not_demo_events)

@@ -34,6 +34,18 @@ from .databases import TARGET
 from .errors import UsageError
 
 
+def _data_dir(text: str) -> Path:
+    """``--data-dir``: refused at once when it is empty (the current directory) or an
+    existing directory holding no cluster, before a server is started in it."""
+    refused = embedded.refusal(text)
+    if refused is not None:
+        raise argparse.ArgumentTypeError(refused)
+    return Path(text)
+
+
+DATA_DIR = _data_dir
+
+
 class Parser(argparse.ArgumentParser):
     """Short errors; ``--delay -5s`` reaches the argument's type instead of being taken
     for an unknown option (no option here starts with ``-`` and a digit)."""
@@ -111,10 +123,13 @@ def add_database_options(
             )
         else:
             group.add_argument("--table", type=TABLE, default=table, help=f"default {table}")
+    data_dir = env_value("AIOOUTBOX_DATA_DIR")
     group.add_argument(
         "--data-dir",
-        type=Path,
-        default=env_value("AIOOUTBOX_DATA_DIR"),
+        type=DATA_DIR,
+        # not checked here (a command given --dsn never uses it); `embedded.start` refuses
+        # a bad one before changing anything
+        default=None if data_dir is None else Path(data_dir),
         help="data directory of the embedded server (env AIOOUTBOX_DATA_DIR; default "
         f"{embedded.DEFAULT_DATA_DIR.as_posix()} in the project root: the nearest directory "
         "upward holding .aiooutbox, pyproject.toml, setup.py, setup.cfg or .git)",

@@ -243,8 +243,8 @@ class Telemetry:
     ) -> AsyncIterator[None]:
         """Refresh the table-level gauges while the block runs (with metrics only);
         ``database``: their label, when one process serves several."""
-        if self.metrics is None:
-            yield
+        if self.metrics is None or self.metrics.tracks_queue(database):
+            yield  # none, or the handlers module's own OutboxMetrics refreshes them
             return
         async with self.metrics.queue_gauges(
             pool, schema=args.schema, table=args.table, database=database
@@ -265,13 +265,30 @@ async def telemetry(args: argparse.Namespace) -> AsyncIterator[Telemetry]:
         return
     from ..metrics import MetricsServer, OutboxMetrics
 
-    metrics = OutboxMetrics()  # the global registry: process_* and python_* come along
+    # the global registry: process_* and python_* come along. A handlers module that made
+    # its own OutboxMetrics there (docs/observability.md) has its instance reused.
+    metrics = OutboxMetrics.registered()
+    ours = metrics is None
+    if metrics is None:
+        try:
+            metrics = OutboxMetrics()
+        except ValueError as exc:
+            raise UsageError(
+                f"--metrics-port: prometheus_client's global registry already holds metrics"
+                f" named like aiooutbox's, not registered by an OutboxMetrics"
+                f" ({exception_message(exc)}); register yours on a registry of your own"
+            ) from None
     found = Telemetry(metrics)
     host = args.metrics_host or "127.0.0.1"
     where = f"--metrics-port {args.metrics_port}"
     server = MetricsServer(metrics.registry, found, host=host, port=args.metrics_port)
     try:
-        await server.__aenter__()
+        try:
+            await server.__aenter__()
+        except BaseException:
+            if ours:
+                metrics.unregister()
+            raise
     except socket.gaierror as exc:
         raise UsageError(f"--metrics-host {host}: unknown host ({exc.strerror})") from None
     except OSError as exc:
@@ -285,7 +302,8 @@ async def telemetry(args: argparse.Namespace) -> AsyncIterator[Telemetry]:
         yield found
     finally:
         await server.__aexit__(None, None, None)
-        metrics.unregister()
+        if ours:
+            metrics.unregister()
 
 
 async def _serve(
@@ -383,8 +401,10 @@ async def _warn_unconsumed(pool: Any, args: argparse.Namespace, topics: list[str
         logger.debug("could not look for unconsumed topics: %s", describe_exception(exc))
         return
     if found:
+        # stored text: a raw SQL producer's topic may hold newlines or terminal escapes
         listed = ", ".join(
-            f"{u.topic} ({u.waiting} waiting, oldest {output.age(u.lag)})" for u in found
+            f"{output.safe(u.topic)} ({u.waiting} waiting, oldest {output.age(u.lag)})"
+            for u in found
         )
         logger.warning(
             "events wait in topic(s) this runner has no handler for, and no other consumer "
