@@ -43,6 +43,7 @@ from ._sql.index_builds import (
     take_build_lock,
 )
 from ._sql.lock_waits import SET_LOCK_TIMEOUT, TRIED_AGAIN, wait_to_try_again
+from ._sql.outbox_names import refuse_taken_names, suffixes
 from ._sql.statements import DEFAULT_SCHEMA, DEFAULT_TABLE, Queries, queries
 from ._values.text import exception_message
 from .errors import SchemaNotReady, SchemaTooNew
@@ -134,6 +135,11 @@ def latest_version() -> int:
     return migrations()[-1].version
 
 
+@lru_cache(maxsize=1)
+def _suffixes() -> frozenset[str]:
+    return suffixes(m.template for m in migrations())
+
+
 def migration_sql(
     *,
     schema: str = DEFAULT_SCHEMA,
@@ -151,7 +157,7 @@ def migration_sql(
     """
     q = queries(schema, table)
     parts = [
-        f"{q.create_schema};",
+        f"{q.create_schema_if_missing};",
         f"{q.create_versions_table};",
         f"{q.create_compat_versions_table};",
     ]
@@ -235,6 +241,8 @@ async def _migrate(conn: asyncpg.Connection, q: Queries, concurrently: bool) -> 
         # granted only rights on an existing schema must not need it
         if not await conn.fetchval(q.schema_exists, q.schema):
             await conn.execute(q.create_schema)
+        elif await conn.fetchval("SELECT to_regclass($1) IS NULL", q.versions_table):
+            await refuse_taken_names(conn, q, _suffixes())  # a new outbox
         await conn.execute(q.create_versions_table)
         _refuse_newer(await _applied(conn, q), q)
         await conn.execute(q.create_compat_versions_table)

@@ -4,6 +4,7 @@ nothing written; any dead event listed; stored text never drives the terminal.""
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
 import asyncpg
@@ -137,3 +138,31 @@ async def test_bad_topics_ids_limits_and_dsns_are_usage_errors(
     assert await admin.event_statuses(conn, [dead]) == {dead: "dead"}  # nothing written
     retried = await cli("dead", "retry", "--id", str(dead), str(2**63 - 1), *db)
     assert retried.rc == 1 and f"{2**63 - 1} (no such event)" in retried.err
+
+
+async def test_a_failed_migrate_says_who_should_run_it(empty_dsn: str) -> None:
+    """A role that may not create the outbox's objects: the one line says to run migrate
+    as the schema's owner, not to grant the consumer's privileges (which would not do)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    role = f"aiooutbox_nobody_{uuid.uuid4().hex[:8]}"
+    admin_conn = await asyncpg.connect(empty_dsn)
+    try:
+        await admin_conn.execute(f"CREATE ROLE {role} LOGIN")
+        await admin_conn.execute("CREATE SCHEMA app")
+        await admin_conn.execute(f"GRANT USAGE ON SCHEMA app TO {role}")
+        parts = urlsplit(empty_dsn)
+        host = parts.netloc.rpartition("@")[2]
+        as_role = urlunsplit(parts._replace(netloc=f"{role}@{host}"))
+        result = await cli("migrate", "--schema", "app", "--dsn", as_role)
+        assert result.rc == 1, result
+        assert len(result.err_lines) == 1, result.err
+        assert "run migrate as the owner of the schema" in result.err, result.err
+        assert "consumer's role" not in result.err
+        assert not await admin_conn.fetchval(
+            "SELECT count(*) FROM pg_tables WHERE schemaname = 'app'"
+        )
+    finally:
+        await admin_conn.execute(f"DROP OWNED BY {role}")
+        await admin_conn.execute(f"DROP ROLE {role}")
+        await admin_conn.close()

@@ -355,12 +355,17 @@ async def test_a_failed_migration_leaves_nothing_half_applied(empty_dsn: str) ->
     conn = await asyncpg.connect(empty_dsn)
     other = await asyncpg.connect(empty_dsn)
     try:
-        # an unrelated object in the way of one the migration creates half-way through
+        # a table with a name the new outbox would use: refused before anything is made
         await conn.execute("CREATE TABLE outbox_events_idle (x int)")
-        with pytest.raises(asyncpg.DuplicateTableError):
+        with pytest.raises(aiooutbox.InvalidArgument, match="outbox_events_idle"):
+            await aiooutbox.migrate(conn)
+        assert await relations(conn) == {("outbox_events_idle", "r")}
+        await conn.execute("DROP TABLE outbox_events_idle")
+        # an unrelated type in the way of one the first migration creates: it fails there
+        await conn.execute("CREATE TYPE outbox_events_status AS ENUM ('mine')")
+        with pytest.raises(asyncpg.DuplicateObjectError):
             await aiooutbox.migrate(conn)
         assert await relations(conn) == {
-            ("outbox_events_idle", "r"),
             ("outbox_events_migrations", "r"),
             ("outbox_events_migrations_pkey", "i"),
             # bookkeeping, like the versions table: created before any migration runs
@@ -368,11 +373,11 @@ async def test_a_failed_migration_leaves_nothing_half_applied(empty_dsn: str) ->
             ("outbox_events_migrations_compat_pkey", "i"),
         }
         assert await versions(conn) == []
-        assert not await conn.fetchval(
-            "SELECT count(*) FROM pg_type WHERE typname = 'outbox_events_status'"
-        )
+        assert await conn.fetchval("SELECT enum_range(NULL::outbox_events_status)::text[]") == [
+            "mine"
+        ]
         # the lock was released: another session migrates once the obstacle is gone
-        await conn.execute("DROP TABLE outbox_events_idle")
+        await conn.execute("DROP TYPE outbox_events_status")
         assert await asyncio.wait_for(aiooutbox.migrate(other), 10) == ALL
         await aiooutbox.check_schema(conn)
     finally:
@@ -475,3 +480,49 @@ async def test_a_role_with_rights_on_the_schema_only_can_migrate(empty_dsn: str)
         await admin.execute(f"DROP OWNED BY {role}")
         await admin.execute(f"DROP ROLE {role}")
         await admin.close()
+
+
+async def test_a_role_with_rights_on_the_schema_only_can_apply_migration_sql(
+    empty_dsn: str,
+) -> None:
+    # the same role, applying the rendered script as psql -f would (one simple query)
+    role = f"aiooutbox_migrator_{uuid.uuid4().hex[:8]}"
+    admin = await asyncpg.connect(empty_dsn)
+    try:
+        await admin.execute(f"CREATE ROLE {role} NOLOGIN")
+        database = await admin.fetchval("SELECT current_database()")
+        await admin.execute(f'REVOKE ALL ON DATABASE "{database}" FROM PUBLIC')
+        await admin.execute("CREATE SCHEMA app")
+        await admin.execute(f"GRANT USAGE, CREATE ON SCHEMA app TO {role}")
+        await admin.execute(f"SET ROLE {role}")
+        await admin.execute(aiooutbox.migration_sql(schema="app"))
+        await aiooutbox.check_schema(admin, schema="app")
+        assert await aiooutbox.enqueue(admin, "t", 1, schema="app") is not None
+    finally:
+        await admin.execute("RESET ROLE")
+        await admin.execute(f"DROP OWNED BY {role}")
+        await admin.execute(f"DROP ROLE {role}")
+        await admin.close()
+
+
+@pytest.mark.parametrize(("first", "second"), [("ev", "ev_done"), ("ev_done", "ev")])
+async def test_a_new_outbox_may_not_take_another_outboxs_names(
+    empty_dsn: str, first: str, second: str
+) -> None:
+    conn = await asyncpg.connect(empty_dsn)
+    try:
+        assert await aiooutbox.migrate(conn, table=first) == ALL
+        before = {r for r, _ in await relations(conn, "public")}
+        with pytest.raises(aiooutbox.InvalidArgument, match="choose another table name"):
+            await aiooutbox.migrate(conn, table=second)
+        # nothing of the refused outbox was made; the first goes on as it was
+        assert {r for r, _ in await relations(conn, "public")} == before
+        await aiooutbox.check_schema(conn, table=first)
+        assert await aiooutbox.enqueue(conn, "t", 1, table=first) is not None
+    finally:
+        await conn.close()
+
+
+async def test_information_schema_is_no_outbox_schema() -> None:
+    with pytest.raises(aiooutbox.InvalidArgument, match="reserved"):
+        queries("information_schema", "outbox_events")

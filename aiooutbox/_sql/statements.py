@@ -51,8 +51,8 @@ def validate_identifier(kind: str, name: object, max_length: int = _MAX_SCHEMA) 
             f"invalid {kind} name {shown!r}: use 1-{max_length} characters of lower-case "
             "letters, digits and underscores, not starting with a digit"
         )
-    if name.startswith("pg_"):
-        raise InvalidArgument(f"invalid {kind} name {name!r}: the pg_ prefix is reserved")
+    if name.startswith("pg_") or name == "information_schema":  # pg_dump leaves them out
+        raise InvalidArgument(f"invalid {kind} name {name!r}: the name is reserved")
     return name
 
 
@@ -169,6 +169,14 @@ class Queries(MarkStatements, MonitoringStatements):
     @property
     def create_schema(self) -> str:
         return f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"'
+
+    @property
+    def create_schema_if_missing(self) -> str:
+        """For scripts: IF NOT EXISTS alone needs CREATE on the database (owners may lack it)."""
+        return (
+            "DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_catalog.pg_namespace WHERE nspname ="
+            f" '{self.schema}') THEN {self.create_schema}; END IF; END $$"
+        )
 
     @property
     def schema_exists(self) -> str:

@@ -82,6 +82,8 @@ def _call(args: argparse.Namespace) -> int:
         return 0
     except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
         reason = permanent_reason(exc)
+        if reason is not None and args.command == "migrate":
+            reason = _MIGRATE_FIX.get(getattr(exc, "sqlstate", "")[:2], reason)
         if reason is not None:  # one line with the fix, not asyncpg's multi-line hint
             message = permanent_message(exc, f"{prog} {args.command}", reason)
         else:
@@ -91,6 +93,15 @@ def _call(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+
+
+# what fixes a failed `migrate` (the general hints name the consumer's grants, or
+# `migrate` itself)
+_MIGRATE_FIX = {
+    "42": "run migrate as the owner of the schema (a role with CREATE on it, and on the"
+    " database if the schema does not exist yet), and check that no other object in the"
+    " schema has the outbox's names (docs/deployment.md)",
+}
 
 
 def _dsn_flag(args: argparse.Namespace) -> str:
