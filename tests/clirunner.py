@@ -63,9 +63,12 @@ async def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60
 class Runner:
     """A long-running ``run`` command whose stderr is collected line by line."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, *args: str, env: dict[str, str] | None = None, nofile: int | None = None
+    ) -> None:
         self.args = args
         self.env = env if env is not None else clean_env()
+        self.nofile = nofile  # a limit of open file descriptors for the process, if set
         self.lines: list[str] = []
         self._proc: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -83,9 +86,16 @@ class Runner:
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
+            preexec_fn=None if self.nofile is None else self._limit,
         )
         self._reader = asyncio.ensure_future(self._read())
         return self
+
+    def _limit(self) -> None:
+        import resource
+
+        assert self.nofile is not None
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
 
     async def __aexit__(self, *exc_info: object) -> None:
         assert self._proc is not None and self._reader is not None

@@ -7,17 +7,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import resource
 import signal
 import socket
-import sys
 import time
 
 import asyncpg
 import pytest
 
 import aiooutbox
-from tests.clirunner import ROOT, Runner, clean_env
+from tests.clirunner import Runner, clean_env
 from tests.faults.proxy import TCPProxy
 from tests.helpers import wait_until
 
@@ -44,32 +42,6 @@ async def get(port: int, path: str, timeout: float = 30) -> tuple[int, str]:
         return 0, ""
     head, _, body = raw.decode().partition("\r\n\r\n")
     return int(head.split(" ", 2)[1]), body
-
-
-class LimitedRunner(Runner):
-    """`Runner` with a soft and hard limit of ``nofile`` open file descriptors."""
-
-    def __init__(self, *args: str, nofile: int, env: dict[str, str]) -> None:
-        super().__init__(*args, env=env)
-        self.nofile = nofile
-
-    async def __aenter__(self) -> LimitedRunner:
-        limit = self.nofile
-        self._proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "aiooutbox",
-            "run",
-            *self.args,
-            cwd=ROOT,
-            env=self.env,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)),
-        )
-        self._reader = asyncio.ensure_future(self._read())
-        return self
 
 
 @pytest.mark.slow  # waits out max_silence (13 s) with the claim loop idle
@@ -132,7 +104,7 @@ async def test_idle_clients_under_a_low_descriptor_limit_leave_healthz_answering
     port = free_port()
     args = ["tests.cli_handlers:handlers", "--dsn", dsn, "--metrics-port", str(port)]
     held: list[socket.socket] = []
-    async with LimitedRunner(*args, nofile=128, env=clean_env()) as runner:
+    async with Runner(*args, nofile=128, env=clean_env()) as runner:
         await runner.wait_for_line("consuming")
         try:
             for _ in range(200):

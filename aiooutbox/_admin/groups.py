@@ -22,7 +22,15 @@ from .._values.limits import check_count, check_topic_name
 from ..errors import InvalidArgument
 from .flow import KEEP, Db, _actor, _burst, _changing, _Keep, _max_running, _rate, burst_for
 
-__all__ = ["GroupLimit", "GroupStats", "check_group", "group_limits", "group_stats", "limit_groups"]
+__all__ = [
+    "GroupLimit",
+    "GroupStats",
+    "check_group",
+    "group_limits",
+    "group_stats",
+    "limit_groups",
+    "read_group_stats",
+]
 
 MAX_GROUP_LENGTH = 512  # UTF-8 bytes, as the producers' (migration 0018's check)
 
@@ -212,11 +220,15 @@ async def group_stats(
     waiting ones among the first ``read`` due events (a bound on what it reads)."""
     name, fq = check_topic_name(topic), flow_queries(schema, table)
     check_count("top", top, 1, 1000)
-    q = fq.outbox.qualified
-    busy = await db.fetch(busiest_groups(q), name, top)
-    waiting = await db.fetch(waiting_groups(q), name, top, read)
+    return await read_group_stats(db, fq.outbox.qualified, name, top, read)
+
+
+async def read_group_stats(db: Any, outbox: str, topic: str, top: int, read: int) -> GroupStats:
+    """`group_stats`' reads, for a topic name as stored (checked or not)."""
+    busy = await db.fetch(busiest_groups(outbox), topic, top)
+    waiting = await db.fetch(waiting_groups(outbox), topic, top, read)
     return GroupStats(
-        name,
+        topic,
         [(r["g"] or None, r["running"]) for r in busy],
         [(r["g"] or None, r["due"], r["lag"]) for r in waiting],
     )

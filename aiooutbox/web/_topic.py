@@ -13,9 +13,8 @@ from urllib.parse import quote, urlencode
 import asyncpg
 
 from .._admin.flow import burst_for
-from .._admin.groups import GroupLimit, GroupStats, group_limits
+from .._admin.groups import GroupLimit, GroupStats, group_limits, read_group_stats
 from .._sql.flow import ALL_TOPICS, flow_queries
-from .._sql.groups import busiest_groups, waiting_groups
 from ..errors import InvalidArgument
 from ._backlog import Backlog
 from ._charts import Chart, minute_chart
@@ -160,14 +159,7 @@ _GROUP_LIMITS = 200  # the group limits the page lists (the default, then overri
 async def _group_stats(conn: Any, w: WebQueries, topic: str) -> GroupStats:
     """`admin.group_stats`' reads, for any name stored: that checks a name as a producer
     must write it, and a raw SQL producer may have stored a blank one."""
-    q = w.outbox.qualified
-    busy = await conn.fetch(busiest_groups(q), topic, _TOP_GROUPS)
-    waiting = await conn.fetch(waiting_groups(q), topic, _TOP_GROUPS, BOUND)
-    return GroupStats(
-        topic,
-        [(r["g"] or None, r["running"]) for r in busy],
-        [(r["g"] or None, r["due"], r["lag"]) for r in waiting],
-    )
+    return await read_group_stats(conn, w.outbox.qualified, topic, _TOP_GROUPS, BOUND)
 
 
 async def _group_limits(conn: Any, w: WebQueries, page: TopicPage) -> None:
