@@ -22,14 +22,17 @@ import struct
 import threading
 from collections.abc import Coroutine
 from typing import Any, Self
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qs, parse_qsl, urlencode, urlsplit, urlunsplit
 
 __all__ = ["TCPProxy"]
 
 
 class TCPProxy:
-    def __init__(self, target_host: str, target_port: int, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, target_host: str, target_port: int, host: str = "127.0.0.1", unix: str | None = None
+    ) -> None:
         self.target = (target_host, target_port)
+        self.unix = unix  # a Unix socket to forward to instead (the embedded server's)
         self.host = host
         self.port = 0
         self.connections_made = 0
@@ -43,7 +46,12 @@ class TCPProxy:
 
     @classmethod
     def for_dsn(cls, dsn: str) -> TCPProxy:
+        """A proxy to the server ``dsn`` names: a host and port, or a Unix socket's
+        directory in its query (``?host=/dir``, as the embedded server's DSN has)."""
         parts = urlsplit(dsn)
+        socket_dir = parse_qs(parts.query).get("host", [""])[0]
+        if socket_dir.startswith("/"):
+            return cls("", 0, unix=f"{socket_dir}/.s.PGSQL.{parts.port or 5432}")
         if parts.hostname is None or parts.port is None:
             raise ValueError(f"the proxy needs a TCP DSN with host and port, got {dsn!r}")
         return cls(parts.hostname, parts.port)
@@ -62,7 +70,8 @@ class TCPProxy:
         """
         parts = urlsplit(dsn)
         userinfo, at, _ = parts.netloc.rpartition("@")
-        query = parts.query
+        # a Unix socket's directory in the query would take the connection past the proxy
+        query = urlencode([(k, v) for k, v in parse_qsl(parts.query) if k != "host"])
         if "sslmode=" not in query:
             query = f"{query}&sslmode=disable" if query else "sslmode=disable"
         return urlunsplit(
@@ -140,7 +149,10 @@ class TCPProxy:
             return
         self.connections_made += 1
         try:
-            up_reader, up_writer = await asyncio.open_connection(*self.target)
+            if self.unix is not None:
+                up_reader, up_writer = await asyncio.open_unix_connection(self.unix)
+            else:
+                up_reader, up_writer = await asyncio.open_connection(*self.target)
         except OSError:
             _reset(writer)
             return
