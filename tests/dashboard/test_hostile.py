@@ -84,6 +84,8 @@ async def plant(conn: asyncpg.Connection) -> list[int]:
                 "error": {"x": text},
                 "outcome": text,
             },
+            # a time no datetime holds (before the year 1): shown as its number
+            {"attempt": 3, "at": -62135596801, "worker": text, "error": text, "outcome": "retry"},
         ]
         await conn.execute(
             "UPDATE outbox_events SET failures = $2::jsonb WHERE id = $1",
@@ -117,7 +119,15 @@ async def plant(conn: asyncpg.Connection) -> list[int]:
         assert await conn.fetchval(
             "SELECT count(*) FROM outbox_events_done WHERE id = $1", finished
         )
-        ids += [dead, held, finished]
+        # times PostgreSQL stores but no datetime holds, shown as stored beside the text
+        odd = await conn.fetchval(
+            "INSERT INTO outbox_events (topic, payload, headers, available_at, created_at)"
+            " VALUES ($1, $2::jsonb, $3::jsonb, 'infinity', '10000-01-01 00:00+00') RETURNING id",
+            text,
+            json.dumps(payload),
+            json.dumps(headers),
+        )
+        ids += [dead, held, finished, odd]
     for name in AWKWARD:
         await conn.execute(
             "INSERT INTO outbox_events (topic, payload, available_at)"
@@ -231,7 +241,8 @@ async def test_hostile_text_renders_as_text_everywhere(dsn: str, tmp_path: Path)
                 assert f"relay redis:{text} @h:1:{i}" in shown, shown
             await w.page.goto(base.rstrip("/") + "/events?" + urlencode({"topic": HOSTILE[1]}))
             assert await w.page.input_value('input[name="topic"]') == HOSTILE[1]
-            assert await w.page.inner_text("#matching") == "4"  # dead, waiting, processing, done
+            # dead, waiting, processing, done, and the one at times no datetime holds
+            assert await w.page.inner_text("#matching") == "5"
             # an action on a hostile filter: the audit shows it as text too
             await w.page.goto(base.rstrip("/") + "/dead?" + urlencode({"topic": HOSTILE[3]}))
             await w.page.click("#retry-matching")
