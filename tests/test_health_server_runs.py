@@ -117,7 +117,10 @@ async def test_idle_clients_under_a_low_descriptor_limit_leave_healthz_answering
             answers = []
             for _ in range(4):
                 started = time.monotonic()
-                status, _ = await get(port, "/healthz", timeout=10)
+                try:
+                    status, _ = await get(port, "/healthz", timeout=10)
+                except TimeoutError:
+                    status = -1  # no answer within 10 s: the acceptor stalled
                 answers.append((status, round(time.monotonic() - started, 2)))
                 await asyncio.sleep(1)
             assert all(status == 200 and took < 3 for status, took in answers), answers

@@ -120,7 +120,9 @@ class MetricsServer:
         self._sockets: list[socket.socket] = []
         self._acceptors: list[asyncio.Task[None]] = []
         self._connections: dict[_Connection, None] = {}  # oldest first
-        self._ended = asyncio.Event()
+        # set when a connection ends or becomes one the cap may close: the acceptor waits
+        # on it while every connection is being answered (or not yet started)
+        self._room = asyncio.Event()
         self._logged_exhaustion = -_LOG_EVERY
 
     async def __aenter__(self) -> MetricsServer:
@@ -197,8 +199,8 @@ class MetricsServer:
         loop = asyncio.get_running_loop()
         while True:
             while len(self._connections) >= self.max_connections and self._oldest_idle() is None:
-                self._ended.clear()
-                await self._ended.wait()  # every connection is being answered
+                self._room.clear()
+                await self._room.wait()  # every connection is being answered, or starting
             try:
                 client, _ = await loop.sock_accept(sock)
             except OSError as exc:
@@ -242,6 +244,7 @@ class MetricsServer:
                 client.close()
                 return
             connection.transport = writer.transport
+            self._room.set()  # idle until its request head arrives: the cap may close it
             try:
                 await self._exchange(reader, writer, connection)
             except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
@@ -254,7 +257,7 @@ class MetricsServer:
                     writer.transport.abort()
         finally:
             self._connections.pop(connection, None)
-            self._ended.set()
+            self._room.set()
 
     async def _exchange(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, connection: _Connection
