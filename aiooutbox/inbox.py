@@ -160,9 +160,9 @@ def _prepare(
     ):
         if not isinstance(value, str):
             raise TypeError(f"{name} must be a str, not {type(value).__name__}")
-        if not value or "\x00" in value or len(value) > longest:
+        if not value.strip() or "\x00" in value or len(value) > longest:
             raise InvalidArgument(
-                f"{name} must be 1-{longest} characters without NUL, got {value[:80]!r}"
+                f"{name} must be 1-{longest} characters without NUL, not blank, got {value[:80]!r}"
             )
         check_utf8(value, name)
         # len() first: a value of few characters cannot exceed the limit in bytes

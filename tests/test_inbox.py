@@ -156,6 +156,33 @@ async def test_bad_input_is_refused_before_anything_is_written(dsn: str) -> None
         assert await count(pool) == 0
 
 
+async def test_blank_ids_and_consumers_are_refused_before_anything_is_written(dsn: str) -> None:
+    """An id or a consumer of whitespace only is refused like an empty one, by both
+    drivers, the transaction still usable and nothing recorded."""
+    blanks = ("", " ", "   ", "\t", "\n", "\r\n", " \t\n", "\u00a0", "\u3000")
+    async with asyncpg.create_pool(dsn, min_size=1, max_size=1) as pool:
+        async with pool.acquire() as conn, conn.transaction():
+            for blank in blanks:
+                with pytest.raises(aiooutbox.InvalidArgument, match=r"message_id .*not blank"):
+                    await inbox.record(conn, blank)
+                with pytest.raises(aiooutbox.InvalidArgument, match=r"consumer .*not blank"):
+                    await inbox.record(conn, "id-1", consumer=blank)
+            assert await count(conn) == 0
+            # whitespace inside or around an id with something else in it is the id's own
+            assert await inbox.record(conn, " id 2\t") is True
+        with psycopg.connect(dsn) as sconn:
+            for blank in blanks:
+                with pytest.raises(aiooutbox.InvalidArgument, match=r"message_id .*not blank"):
+                    inbox.record_sync(sconn, blank)
+                with pytest.raises(aiooutbox.InvalidArgument, match=r"consumer .*not blank"):
+                    inbox.record_sync(sconn, "id-3", consumer=blank)
+            assert inbox.record_sync(sconn, "id-3") is True
+            sconn.rollback()
+        assert await pool.fetchval("SELECT array_agg(message_id) FROM outbox_events_inbox") == [
+            " id 2\t"
+        ]
+
+
 def random_text(seed: int, count: int, low: int, high: int) -> str:
     """``count`` characters drawn from ``low..high``: text the index cannot compress."""
     rnd = random.Random(seed)

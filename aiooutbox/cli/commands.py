@@ -217,8 +217,10 @@ async def cmd_purge(args: argparse.Namespace) -> int:
 
 
 async def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .demo import check_options, run_demo
 
+    # before the embedded server starts or the pool connects: a usage error costs neither
+    check_options(events=args.events, concurrency=args.concurrency)
     async with open_pool(await resolve_dsn(args), pgbouncer=args.pgbouncer) as pool:
         return await run_demo(
             pool,

@@ -23,8 +23,8 @@ import asyncpg
 from .. import embedded
 from .._values.text import exception_message
 from ..migrations import check_schema, migrate
-from .args import redact
-from .errors import CommandError
+from .args import env_value, redact
+from .errors import CommandError, UsageError
 
 logger = logging.getLogger("aiooutbox.cli")
 
@@ -42,9 +42,18 @@ def _reason(exc: BaseException) -> str:
 
 
 def resolve_data_dir(args: argparse.Namespace) -> Path:
-    """``--data-dir`` as given, else the project's (`embedded.default_data_dir`)."""
+    """``--data-dir`` as given, else ``$AIOOUTBOX_DATA_DIR``, else the project's
+    (`embedded.default_data_dir`). The variable gets the option's checks here, when the
+    server is first needed (a command given --dsn never reads it): a `UsageError`."""
     if args.data_dir is None:
-        args.data_dir = embedded.default_data_dir()
+        from_env = env_value("AIOOUTBOX_DATA_DIR")
+        if from_env is None:
+            args.data_dir = embedded.default_data_dir()
+        else:
+            refused = embedded.refusal(from_env)
+            if refused is not None:
+                raise UsageError(f"$AIOOUTBOX_DATA_DIR: {refused}")
+            args.data_dir = Path(from_env)
     path: Path = args.data_dir
     return path
 

@@ -123,13 +123,12 @@ def add_database_options(
             )
         else:
             group.add_argument("--table", type=TABLE, default=table, help=f"default {table}")
-    data_dir = env_value("AIOOUTBOX_DATA_DIR")
     group.add_argument(
         "--data-dir",
         type=DATA_DIR,
-        # not checked here (a command given --dsn never uses it); `embedded.start` refuses
-        # a bad one before changing anything
-        default=None if data_dir is None else Path(data_dir),
+        # without it, `connect.resolve_data_dir` reads and checks $AIOOUTBOX_DATA_DIR when
+        # the embedded server is needed (a command given --dsn never uses it)
+        default=None,
         help="data directory of the embedded server (env AIOOUTBOX_DATA_DIR; default "
         f"{embedded.DEFAULT_DATA_DIR.as_posix()} in the project root: the nearest directory "
         "upward holding .aiooutbox, pyproject.toml, setup.py, setup.cfg or .git)",
