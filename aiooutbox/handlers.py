@@ -7,11 +7,11 @@ topic (``async def handler(events)``) and says which of them failed (docs/batche
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
+from ._values.callables import is_async_callable
 from ._values.limits import check_count, check_seconds, check_topic_name
 from .errors import InvalidArgument
 from .events import Event
@@ -156,15 +156,6 @@ class Router(Mapping[str, Handler]):
         return len(self._handlers)
 
 
-def _is_async_callable(func: object) -> bool:
-    while hasattr(func, "func") and not inspect.isfunction(func):  # functools.partial
-        func = func.func
-    if inspect.iscoroutinefunction(func):
-        return True
-    call = getattr(func, "__call__", None)  # noqa: B004 - async __call__ on instances
-    return inspect.iscoroutinefunction(call)
-
-
 def _check_topic(topic: object) -> None:
     if not isinstance(topic, str):
         raise TypeError(f"handler topics must be str, got {topic!r}")
@@ -172,7 +163,7 @@ def _check_topic(topic: object) -> None:
 
 
 def _check_func(func: object, batch: object, what: str) -> None:
-    if not callable(func) or not _is_async_callable(func):
+    if not callable(func) or not is_async_callable(func):
         shape = "handler(event) -> None" if batch is None else "handler(events) -> None"
         raise TypeError(f"{what} must be an async function (async def {shape}), got {func!r}")
 

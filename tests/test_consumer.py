@@ -123,6 +123,10 @@ def test_the_default_prefetch_with_batch_handlers() -> None:
     assert ahead(10) == 512 - 64  # the per-event default is larger
     assert ahead(500, concurrency=1000, prefetch=0) == 0  # given: kept
     assert ahead(500, concurrency=1000, prefetch=7) == 7
+    # a batch larger than concurrency is capped at it: four of the capped batch, not
+    # 4 x 100,000 rows claimed ahead
+    assert ahead(100_000, concurrency=1000) == 3000
+    assert ahead(100_000, concurrency=64) == 512 - 64
 
 
 async def test_slow_handlers_get_no_prefetch(pool: asyncpg.Pool) -> None:

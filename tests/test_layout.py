@@ -201,3 +201,12 @@ def test_every_documented_import_path_imports(module: str, name: str) -> None:
     imported = importlib.import_module(module)
     if name and not hasattr(imported, name):
         importlib.import_module(f"{module}.{name}")  # a submodule
+
+
+def test_the_suites_longest_files_first_still_name_test_files() -> None:
+    """The scheduling order in conftest.py: each entry a test file that exists, once."""
+    from tests.conftest import LONGEST_FIRST
+
+    assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST), LONGEST_FIRST
+    for path in LONGEST_FIRST:
+        assert (ROOT / path).is_file() and Path(path).name.startswith("test_"), path

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 from .._sql.statements import DEFAULT_SCHEMA, DEFAULT_TABLE, Queries, queries
+from .._values.callables import is_async_callable
 from .._values.codec import Decoder, decode_json
 from .._values.limits import (
     MAX_WORKER_ID,
@@ -130,8 +131,11 @@ class ConsumerOptions:
             raise TypeError(f"retry must be an aiooutbox.RetryPolicy, not {retry!r}")
         if not isinstance(listen, bool):
             raise TypeError(f"listen must be True or False, not {listen!r}")
-        if decoder is not None and not callable(decoder):
-            raise TypeError(f"decoder must be a callable taking the JSON text, not {decoder!r}")
+        if decoder is not None and (not callable(decoder) or is_async_callable(decoder)):
+            raise TypeError(
+                f"decoder must be a plain (not async) callable taking the JSON text, "
+                f"not {decoder!r}"
+            )
         return cls(
             concurrency=slots,
             batch_size=None
@@ -187,9 +191,11 @@ class ConsumerOptions:
         claim's connection idles while the batches run. Unless ``prefetch`` was given,
         claim ahead until four batches are held (a 100k drain with a handler of 500 at
         concurrency 1,000: 1.17x; at 2,048 with 256, where eight batches run, more
-        rows ahead gained nothing: docs/benchmarks-history.md)."""
+        rows ahead gained nothing: docs/benchmarks-history.md). A batch larger than
+        ``concurrency`` is capped at it (docs/batches.md), and so counted here."""
         if self.prefetch is not None:
             return self
+        largest = min(largest, self.concurrency)
         return replace(self, prefetch=max(self.ahead, 4 * largest - self.concurrency))
 
     def max_unwritten(self, claim_rows: int) -> int:
@@ -211,11 +217,20 @@ class ConsumerOptions:
 def _topics(topics: object) -> frozenset[str] | None:
     if topics is None:
         return None
-    if isinstance(topics, str) or not isinstance(topics, Collection):
-        raise TypeError("topics must be a collection of topic names, not a single string")
+    if isinstance(topics, (str, bytes)) or not isinstance(topics, Collection):
+        raise TypeError(
+            "topics must be a collection of topic names (a list, set or tuple), "
+            f"not {type(topics).__name__} {topics!r:.80}"
+        )
     if not topics:
         raise InvalidArgument("topics is empty: pass None to consume every handled topic")
-    return frozenset(check_topic_name(t, "each of topics") for t in topics)
+    wanted = frozenset(check_topic_name(t, "each of topics") for t in topics)
+    if "*" in wanted:  # handlers.ALL_TOPICS: it would claim only events of topic "*"
+        raise InvalidArgument(
+            "each of topics names a topic to claim, and '*' is none: leave topics unset "
+            "(None) to claim every topic, as a '*' handler then does"
+        )
+    return wanted
 
 
 def _worker_id(worker_id: object) -> str:

@@ -88,6 +88,11 @@ def outbox_ctx(
                 f"no asyncpg pool under {pool_key!r}: create it in a cleanup context "
                 "appended before outbox_ctx(...) and store it there"
             ) from None
+        if not isinstance(pool, asyncpg.Pool):
+            raise TypeError(
+                f"app[{pool_key!r}] must be an asyncpg.Pool (asyncpg.create_pool(...)), "
+                f"not {type(pool).__name__}"
+            )
         if handlers is None:
             await check_schema(pool, **consumer_options)
             yield

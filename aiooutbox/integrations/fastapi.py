@@ -64,6 +64,11 @@ async def outbox_lifespan(
     On exit the consumer stops gracefully before the block returns, so the pool can be
     closed right after.
     """
+    if not isinstance(pool, asyncpg.Pool):
+        raise TypeError(
+            "outbox_lifespan needs an asyncpg.Pool (asyncpg.create_pool(...)), "
+            f"not {type(pool).__name__}"
+        )
     if handlers is None:
         unused = sorted(set(consumer_options) - {"schema", "table"})
         if unused:
