@@ -1434,7 +1434,10 @@ async def test_a_partial_and_an_instance_with_async_call_are_handlers(
 
     await aiooutbox.enqueue(db, "a", {})
     await aiooutbox.enqueue(db, "b", {})
-    handlers = {"a": functools.partial(note, "partial"), "b": Note()}
+    handlers: dict[str, aiooutbox.HandlerFunc] = {
+        "a": functools.partial(note, "partial"),
+        "b": Note(),
+    }
     async with aiooutbox.OutboxConsumer(small_pool, poll_interval=0.05) as consumer:
         run = asyncio.create_task(consumer.run(handlers))
         deadline = time.monotonic() + 30

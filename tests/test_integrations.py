@@ -363,7 +363,7 @@ async def test_fastapi_lifespan_refuses_what_is_not_a_pool(
     for thing in (conn, None, "postgresql://postgres@127.0.0.1/db"):
         app = FastAPI()
         with pytest.raises(TypeError, match=r"asyncpg\.Pool"):
-            async with outbox_fastapi.outbox_lifespan(app, thing, handlers):  # type: ignore[arg-type]
+            async with outbox_fastapi.outbox_lifespan(app, thing, handlers):
                 pytest.fail(f"started with {thing!r}")
         assert not hasattr(app.state, "aiooutbox_pool")
     assert consumer_tasks() == []
@@ -464,7 +464,7 @@ async def test_aiohttp_startup_refuses_what_is_not_a_pool(
     conn: asyncpg.Connection, handlers: dict[str, Any] | None
 ) -> None:
     async def database(app: web.Application) -> AsyncIterator[None]:
-        app[outbox_aiohttp.POOL] = conn  # type: ignore[assignment] - a common mix-up
+        app[outbox_aiohttp.POOL] = conn  # a common mix-up
         yield
 
     app = web.Application()
