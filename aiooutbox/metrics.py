@@ -34,6 +34,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import numbers
 import weakref
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -78,6 +80,29 @@ HANDLER_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
     1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 )  # fmt: skip
+
+
+def _bounds(buckets: Any) -> tuple[float, ...]:
+    """``handler_buckets`` as sorted floats; TypeError/InvalidArgument for anything but
+    a sequence of distinct, positive, finite numbers."""
+    if isinstance(buckets, (str, bytes, Mapping)) or not hasattr(buckets, "__iter__"):
+        raise TypeError(
+            f"handler_buckets must be a sequence of numbers, not {type(buckets).__name__}"
+        )
+    values = list(buckets)
+    for b in values:
+        if isinstance(b, bool) or not isinstance(b, numbers.Real):
+            raise TypeError(f"handler_buckets must hold numbers, not {b!r:.60}")
+    try:
+        bounds = tuple(sorted(float(b) for b in values))
+    except OverflowError:
+        bounds = (math.inf,)
+    if not bounds or any(not 0 < b < math.inf for b in bounds) or len(set(bounds)) != len(bounds):
+        raise InvalidArgument(
+            "handler_buckets must be distinct, positive, finite upper bounds"
+            " (the +Inf bucket is always added)"
+        )
+    return bounds
 
 
 class _Counting(Observer):
@@ -149,10 +174,16 @@ class OutboxMetrics(_Counting):
         *,
         handler_buckets: tuple[float, ...] = HANDLER_BUCKETS,
     ) -> None:
+        if registry is not None and (
+            isinstance(registry, type)
+            or not all(callable(getattr(registry, n, None)) for n in ("register", "unregister"))
+        ):
+            raise TypeError(
+                f"registry must be a prometheus_client CollectorRegistry or None,"
+                f" not {type(registry).__name__}"
+            )
         self.registry = REGISTRY if registry is None else registry
-        bounds = tuple(sorted(float(b) for b in handler_buckets))
-        if not bounds or any(not b > 0 for b in bounds) or len(set(bounds)) != len(bounds):
-            raise InvalidArgument("handler_buckets must be distinct positive upper bounds")
+        bounds = _bounds(handler_buckets)
         # Plain Python counters, read at scrape time by `EventCollector`: prometheus_client's
         # own Counter/Histogram take a lock per update (measured here: ~7 us per event for
         # the outcome and the duration, against ~2 us this way). Every update happens on

@@ -38,6 +38,9 @@ _TRACE_FIELDS = ("traceparent", "tracestate")
 _W3C_FIELDS = frozenset(("traceparent", "tracestate", "baggage"))
 # a version-00 traceparent exactly as the W3C propagator accepts it (lower-case hex)
 _TRACEPARENT = re.compile(r"[ \t]*00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})[ \t]*").fullmatch
+# the longest header value given to the propagator: the W3C ones refuse longer ones
+# (traceparent 512, tracestate and baggage 8192 bytes), and some log what they refuse
+_MAX_FIELD = 8192
 _api: Any = None  # the imported opentelemetry modules, or False when not importable
 
 
@@ -105,6 +108,13 @@ class TracingObserver(Observer):
         api = _otel()
         if not api:
             raise ImportError(f"TracingObserver needs opentelemetry-api: {install_hint('otel')}")
+        if tracer_provider is not None and not callable(
+            getattr(tracer_provider, "get_tracer", None)
+        ):
+            raise TypeError(
+                "tracer_provider must be an OpenTelemetry TracerProvider or None,"
+                f" not {type(tracer_provider).__name__}"
+            )
         self._context, self._propagate, self._trace = api
         self._provider = tracer_provider
         self._tracer: Any = None
@@ -162,7 +172,11 @@ class TracingObserver(Observer):
                 trace_flags=trace.TraceFlags(int(flags, 16)),
             )
         else:  # garbled or another version too: the propagator has the last word
-            carrier = {k: v for k, v in headers.items() if isinstance(v, str)}
+            # only strings the propagator could accept: a raw SQL producer may store
+            # anything, and a 10 MB baggage header would be logged whole, per event
+            carrier = {
+                k: v for k, v in headers.items() if isinstance(v, str) and len(v) <= _MAX_FIELD
+            }
             parent = self._propagate.extract(carrier)
             creation = trace.get_current_span(parent).get_span_context()
         return creation if creation.is_valid else None

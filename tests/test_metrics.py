@@ -652,3 +652,66 @@ def test_histogram_buckets_are_cumulative_and_inclusive(registry: CollectorRegis
     assert total == pytest.approx(1070.0026)
     with pytest.raises(aiooutbox.InvalidArgument):
         OutboxMetrics(CollectorRegistry(), handler_buckets=(1.0, 1.0))
+
+
+def test_constructors_refuse_hostile_arguments_before_registering(
+    registry: CollectorRegistry,
+) -> None:
+    for bad_registry in ("registry", 5, CollectorRegistry):
+        with pytest.raises(TypeError, match="registry must be"):
+            OutboxMetrics(bad_registry)  # type: ignore[arg-type]
+    bad_buckets: list[Any] = ["123", b"1", {1: 2}, None, 5, ["1", "2"], (True, 2.0)]
+    for buckets in bad_buckets:
+        with pytest.raises(TypeError, match="handler_buckets must"):
+            OutboxMetrics(registry, handler_buckets=buckets)
+    # +Inf is always the last bucket: a second one ("inf") would be a duplicate series
+    for buckets in ((1.0, float("inf")), (float("nan"),), (10**400,), (), (0.0, 1.0), (-1,)):
+        with pytest.raises(aiooutbox.InvalidArgument, match="handler_buckets must"):
+            OutboxMetrics(registry, handler_buckets=buckets)
+    assert not list(registry.collect())  # nothing was registered on the way
+    assert OutboxMetrics(registry, handler_buckets=(2, 0.5, 1)).registry is registry
+    with pytest.raises(TypeError, match="registry must be"):
+        MetricsServer("registry")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="registry must be"):
+        MetricsServer(CollectorRegistry)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="health must"):
+        MetricsServer(registry, "healthy")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="host must"):
+        MetricsServer(registry, host=127)  # type: ignore[arg-type]
+
+
+async def test_hostile_topics_keep_the_exposition_valid(pool: asyncpg.Pool) -> None:
+    """A raw SQL producer may store any topic text the column allows: the label values
+    are escaped, in both exposition formats, for the counters and the queue gauges."""
+    from prometheus_client.openmetrics.exposition import generate_latest as openmetrics
+    from prometheus_client.openmetrics.parser import (
+        text_string_to_metric_families as parse_openmetrics,
+    )
+
+    registry = CollectorRegistry()
+    metrics = OutboxMetrics(registry)
+    topics = ['a"b', "a\nb", "{x}", "back\\slash", 'q"}\n{z="1"', "é\u2028\x01", "x" * 255]
+    for topic in topics:
+        await pool.execute(
+            "INSERT INTO outbox_events (topic, payload, grp) VALUES ($1, '{}', $1)", topic
+        )
+
+    async def handler(event: aiooutbox.Event) -> None:
+        pass
+
+    def families() -> dict[str, Any]:
+        text = openmetrics(registry).decode()  # type: ignore[no-untyped-call]
+        list(parse_openmetrics(text))  # type: ignore[no-untyped-call]  # valid OpenMetrics too
+        return {f.name: f for f in text_string_to_metric_families(_exposition(registry))}
+
+    async with metrics.queue_gauges(pool, interval=0.05):
+        found = families()
+        assert {s.labels["topic"] for s in found["aiooutbox_queue_lag_seconds"].samples} == set(
+            topics
+        )
+        assert {s.labels["group"] for s in found["aiooutbox_group_events"].samples} == set(topics)
+        consumer = aiooutbox.OutboxConsumer(pool, poll_interval=0.1, observers=[metrics])
+        async with consumer, running(consumer, {"*": handler}):
+            await wait_until(truthy(lambda: consumer.stats.done == len(topics)))
+    found = families()
+    assert {s.labels["topic"] for s in found["aiooutbox_events"].samples} == set(topics)

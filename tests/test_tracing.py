@@ -170,6 +170,103 @@ async def test_a_garbled_traceparent_starts_a_new_trace(
     assert consumer.stats.done == 1
 
 
+# what a raw SQL producer may store (the table takes any JSON object as headers)
+_PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+_HOSTILE_HEADERS: list[tuple[dict[str, Any], bool]] = [  # headers, continues the trace
+    ({"traceparent": "x" * 10_000_000}, False),
+    ({"traceparent": " " * 1_000_000 + "00-"}, False),
+    ({"traceparent": 7}, False),
+    ({"traceparent": {"v": _PARENT}}, False),
+    ({"traceparent": [_PARENT]}, False),
+    ({"traceparent": None}, False),
+    ({"traceparent": _PARENT + "\x01\x1b[31m\u2028"}, False),
+    ({"traceparent": "\\xff\\xfe" + _PARENT}, False),
+    ({"Traceparent": _PARENT, "TRACEPARENT": _PARENT, "traceparent": "junk"}, False),
+    ({"traceparent": _PARENT, "tracestate": ",".join(f"k{i}=v" for i in range(1000))}, True),
+    ({"traceparent": _PARENT, "tracestate": 5, "Tracestate": "a=b"}, True),
+    ({"traceparent": _PARENT, "baggage": "k=" + "v" * 10_000_000}, True),
+    ({"traceparent": _PARENT, "baggage": ["k=v"] * 1000, "x": "y" * 1_000_000}, True),
+]
+
+
+async def _insert_hostile(pool: asyncpg.Pool, topic: str) -> dict[int, bool]:
+    ids = {}
+    for headers, continues in _HOSTILE_HEADERS:
+        event_id = await pool.fetchval(
+            "INSERT INTO outbox_events (topic, payload, headers)"
+            " VALUES ($1, '{}', $2::jsonb) RETURNING id",
+            topic,
+            json.dumps(headers),
+        )
+        ids[event_id] = continues
+    return ids
+
+
+def _no_huge_log_lines(caplog: pytest.LogCaptureFixture) -> None:
+    # a propagator logs what it refuses: never the 10 MB a producer stored
+    sizes = [(r.name, len(r.getMessage())) for r in caplog.records]
+    assert all(size < 20_000 for _, size in sizes), [s for s in sizes if s[1] >= 20_000]
+    assert not [r for r in caplog.records if r.name.startswith("aiooutbox")], caplog.text[:2000]
+
+
+async def test_hostile_trace_headers_stored_by_raw_sql_still_give_spans(
+    pool: asyncpg.Pool,
+    provider: TracerProvider,
+    exporter: InMemorySpanExporter,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ids = await _insert_hostile(pool, "t")
+
+    async def handler(event: aiooutbox.Event) -> None:
+        pass
+
+    consumer = aiooutbox.OutboxConsumer(
+        pool, poll_interval=0.1, observers=[TracingObserver(provider)]
+    )
+    async with consumer, running(consumer, {"t": handler}):
+        await wait_until(truthy(lambda: len(finished(exporter, "process t")) == len(ids)))
+    assert consumer.stats.done == len(ids)
+    for span in finished(exporter, "process t"):
+        continues = ids[span.attributes["aiooutbox.event.id"]]  # type: ignore[index]
+        parent = span.parent
+        if continues:
+            assert parent is not None and parent.span_id == 0xB7AD6B7169203331
+            assert [link.context for link in span.links] == [parent]
+        else:
+            assert parent is None and not span.links
+    _no_huge_log_lines(caplog)
+
+
+async def test_hostile_trace_headers_still_give_one_linked_span_per_batch(
+    pool: asyncpg.Pool,
+    provider: TracerProvider,
+    exporter: InMemorySpanExporter,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ids = await _insert_hostile(pool, "b")
+
+    async def bulk(events: list[aiooutbox.Event]) -> None:
+        pass
+
+    consumer = aiooutbox.OutboxConsumer(
+        pool, poll_interval=0.1, observers=[TracingObserver(provider)]
+    )
+    async with consumer, running(consumer, {"b": aiooutbox.Handler(bulk, batch=50)}):
+        await wait_until(truthy(lambda: consumer.stats.done == len(ids)))
+    (span,) = finished(exporter, "process b")  # one claim: one batch
+    assert span.attributes is not None
+    assert span.attributes["messaging.batch.message_count"] == len(ids)
+    linked = sorted(int(str((link.attributes or {})["aiooutbox.event.id"])) for link in span.links)
+    assert linked == sorted(i for i, continues in ids.items() if continues)
+    _no_huge_log_lines(caplog)
+
+
+def test_tracing_observer_refuses_what_is_not_a_tracer_provider() -> None:
+    for bad in ("provider", 5, False, object()):
+        with pytest.raises(TypeError, match="tracer_provider must be"):
+            TracingObserver(bad)
+
+
 def test_json_log_lines_carry_the_trace_ids(provider: TracerProvider) -> None:
     formatter = JsonFormatter()
     record = logging.LogRecord("aiooutbox.test", logging.INFO, "", 0, "hello", (), None)

@@ -112,6 +112,21 @@ class MetricsServer:
             raise InvalidArgument(
                 f"max_connections must be a positive int, not {max_connections!r}"
             )
+        if registry is not None and (
+            isinstance(registry, type) or not callable(getattr(registry, "collect", None))
+        ):
+            raise TypeError(
+                f"registry must be a prometheus_client CollectorRegistry or None,"
+                f" not {type(registry).__name__}"
+            )
+        if health is not None and (
+            isinstance(health, type) or not callable(getattr(health, "check", None))
+        ):
+            raise TypeError(
+                f"health must have an async check() (ConsumerHealth), not {type(health).__name__}"
+            )
+        if not isinstance(host, str):
+            raise TypeError(f"host must be a str, not {type(host).__name__}")
         self.registry = REGISTRY if registry is None else registry
         self.health = health
         self.host = host
