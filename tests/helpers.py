@@ -114,3 +114,13 @@ def embedded_home() -> Iterator[Path]:
     would lock a running server's user out of its data and fail its `pg_ctl stop`."""
     with tempfile.TemporaryDirectory(prefix="aiooutbox-embedded-") as tmp:
         yield Path(tmp)
+
+
+def table_scans(plan: str) -> list[str]:
+    """The plan's sequential scans, but of ``pg_database``: the idle probe looks up the
+    current database there, and a cluster of a few databases is read whole (one page)."""
+    return [
+        line.strip()
+        for line in plan.splitlines()
+        if "Seq Scan" in line and "Seq Scan on pg_database" not in line
+    ]

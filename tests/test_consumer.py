@@ -20,7 +20,7 @@ from aiooutbox._engine.options import ConsumerOptions
 from aiooutbox._sql.plans import hot_path_plans, nested_plans
 from aiooutbox._sql.statements import queries
 from aiooutbox.errors import InvalidArgument
-from tests.helpers import all_in, running, status_counts, truthy, wait_until
+from tests.helpers import all_in, running, status_counts, table_scans, truthy, wait_until
 
 FAST_RETRY = aiooutbox.RetryPolicy(base=0.05, factor=2.0, max_delay=0.2)
 
@@ -783,7 +783,7 @@ async def test_claim_plan_uses_the_partial_index(pool: asyncpg.Pool) -> None:
                 await conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
                 stmt = await conn.prepare("EXPLAIN " + sql)
                 plan = "\n".join(r[0] for r in await stmt.fetch(*args))
-            assert "outbox_events_topic_claimable_idx" in plan and "Seq Scan" not in plan, plan
+            assert "outbox_events_topic_claimable_idx" in plan and not table_scans(plan), plan
 
 
 async def test_reading_plans_needs_a_superuser(empty_dsn: str) -> None:
@@ -912,3 +912,36 @@ async def test_late_committed_row_behind_the_watermark_is_not_starved(pool: asyn
 
 async def _has_at_least(mapping: dict[int, float], count: int) -> bool:
     return len(mapping) >= count
+
+
+async def test_the_idle_probe_counts_writers_in_its_own_database_only(
+    databases: Any, dsn: str
+) -> None:
+    """pg_locks is cluster-wide, and a database copied from the same template has its
+    outbox table under the same OID: a writer there is no writer here (it would keep
+    every idle consumer here looking again each second instead of waiting to be woken)."""
+    from tests.conftest import with_database
+
+    other = await asyncio.wrap_future(databases.take())
+    try:
+        here = await asyncpg.connect(dsn)
+        there = await asyncpg.connect(with_database(databases.admin_dsn, other))
+        try:
+            oid = "SELECT 'public.outbox_events'::regclass::oid"
+            assert await here.fetchval(oid) == await there.fetchval(oid)  # the same table OID
+            async with there.transaction():
+                await there.execute("LOCK TABLE outbox_events IN ROW EXCLUSIVE MODE")
+                assert await here.fetchval(queries().open_writers) == 0
+            async with here.transaction():  # a writer in its own database still counts
+                await here.execute("LOCK TABLE outbox_events IN ROW EXCLUSIVE MODE")
+                assert await there.fetchval(queries().open_writers) == 0
+                probe = await asyncpg.connect(dsn)
+                try:
+                    assert await probe.fetchval(queries().open_writers) == 1
+                finally:
+                    await probe.close()
+        finally:
+            await here.close()
+            await there.close()
+    finally:
+        databases.drop_later(other)
