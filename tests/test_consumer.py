@@ -446,7 +446,21 @@ async def test_an_insert_that_commits_after_the_consumer_went_idle_is_not_left_f
             await asyncio.sleep(0.3)  # its claims after advertising have come and gone
             await tx.commit()
             committed = time.monotonic()
-            await wait_until(partial(_has, started, event_id), timeout=10, interval=0.001)
+            try:
+                await wait_until(partial(_has, started, event_id), timeout=10, interval=0.001)
+            except AssertionError as exc:  # say what the database shows
+                row = await pool.fetchrow(
+                    "SELECT status, attempts, available_at, clock_timestamp() AS now"
+                    " FROM outbox_events WHERE id = $1",
+                    event_id,
+                )
+                locks = await pool.fetch(
+                    "SELECT locktype, mode, pid, classid, objid FROM pg_locks"
+                    " WHERE locktype = 'advisory' AND database = (SELECT oid FROM pg_database"
+                    " WHERE datname = current_database())"
+                )
+                idle = await _is_idle(pool, consumer)
+                raise AssertionError(f"{exc}: row {row}, idle {idle}, locks {locks}") from exc
             waited = started[event_id] - committed
     assert waited < 5.0, f"handled {waited:.3f}s after its commit (the poll is 30 s)"
 
