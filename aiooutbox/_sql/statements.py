@@ -432,16 +432,13 @@ class Queries(MarkStatements, MonitoringStatements):
 
     @property
     def open_writers(self) -> str:
-        # other sessions holding the table's write lock (RowExclusiveLock, taken by
-        # INSERT/UPDATE/DELETE and kept to the end of the transaction); pg_locks is
-        # readable by every role, and cluster-wide: a database copied from the same
-        # template has its table under the same OID
+        # other sessions of this database (pg_locks is cluster-wide, readable by all) that
+        # hold the table's write lock (RowExclusiveLock, kept to their transaction's end)
         return (
             "SELECT count(*) FROM pg_catalog.pg_locks"
-            " WHERE locktype = 'relation' AND mode = 'RowExclusiveLock' AND granted"
-            " AND database = (SELECT oid FROM pg_catalog.pg_database"
-            " WHERE datname = pg_catalog.current_database())"
-            f" AND relation = '{self.qualified}'::regclass"
+            " WHERE locktype = 'relation' AND mode = 'RowExclusiveLock' AND granted AND database"
+            " = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog"
+            f".current_database()) AND relation = '{self.qualified}'::regclass"
             " AND pid <> pg_catalog.pg_backend_pid()"
         )
 
