@@ -93,15 +93,16 @@ def _bounds(buckets: Any) -> tuple[float, ...]:
     for b in values:
         if isinstance(b, bool) or not isinstance(b, numbers.Real):
             raise TypeError(f"handler_buckets must hold numbers, not {b!r:.60}")
+    refused = InvalidArgument(
+        "handler_buckets must be distinct, positive, finite upper bounds"
+        " (the +Inf bucket is always added)"
+    )
     try:
         bounds = tuple(sorted(float(b) for b in values))
-    except OverflowError:
-        bounds = (math.inf,)
+    except OverflowError:  # an int past a float's range
+        raise refused from None
     if not bounds or any(not 0 < b < math.inf for b in bounds) or len(set(bounds)) != len(bounds):
-        raise InvalidArgument(
-            "handler_buckets must be distinct, positive, finite upper bounds"
-            " (the +Inf bucket is always added)"
-        )
+        raise refused
     return bounds
 
 

